@@ -1,0 +1,394 @@
+"""The diffusion head of MAR ("Diffusion Loss"), and the per-element log-probability of its
+sampling transitions (SPEC §1, §2, §10).
+
+A token x ∈ R^C is generated from a condition vector z ∈ R^D by T-step ancestral DDPM sampling
+with a small MLP `SimpleMLPAdaLN` that predicts the noise ε and the interpolation v of the
+learned variance (improved-DDPM "learned range"):
+
+    x^T ~ N(0, I)
+    x^{t-1} = μ(x^t, t, z) + τ σ_t(x^t, t, z) ε,     ε ~ N(0, I),  no noise at the last step
+    μ = c1_t · x̂0 + c2_t · x^t,   x̂0 = (x^t − √(1−ᾱ_t) ε̂) / √ᾱ_t
+    log σ_t² = (v+1)/2 · log β_t + (1 − (v+1)/2) · log β̃_t          (β̃: posterior variance)
+
+With classifier-free guidance the net runs on [z_cond; z_null] and only the ε channels are mixed,
+ε̂ = ε_u + w (ε_c − ε_u); the variance channels stay those of the conditional row, as in the
+official code. The policy log-probability of one transition, per element (SPEC §2), is
+
+    ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t  (taken from the rollout)
+
+Where this file departs from what one might expect:
+1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine "squaredcos_cap_v2", 1000
+   training steps, "linspace" spacing) and are respaced exactly as the official code does
+   (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}). They are computed once, in float64, and kept as float32
+   buffers on the model's device; the official code converts numpy arrays on every step.
+2. The starting noise x^T is *not* scaled by the temperature τ: the official MAR code scales only
+   the per-step noise (SPEC §1 writes N(0, τ² I); the official behaviour wins, since official
+   checkpoints are calibrated to it). x^T enters no transition log-probability either way.
+3. The official sampler doubles x with CFG and returns both halves; here `x_t` has one copy (the
+   guided rows) and `z` has 2N rows [cond; null]. The outputs equal the official first half.
+4. Sampling steps are indexed k = 0 … T−1 in the respaced schedule (k = T−1 is pure noise); the
+   net sees the original timestep t_k ∈ [0, 999], as in the official `_WrappedModel`.
+5. RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
+   ill-conditioned in float32 for its log-probability to be recomputed (see there).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+from diffusers import DDPMScheduler
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+# -----------------------------------------------------------------------------
+# The network: an MLP with adaLN conditioning (names and init as the official code)
+
+def modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal embedding of a (possibly fractional) timestep, then a 2-layer MLP."""
+
+    def __init__(self, hidden_size, frequency_embedding_size=256):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size, bias=True),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        """t: (N,) timesteps -> (N, dim) [cos | sin] features."""
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]  # (N, half)
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
+        if dim % 2:
+            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+        return embedding
+
+    def forward(self, t):
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
+
+
+class ResBlock(nn.Module):
+    """x + gate * MLP(modulate(LN(x), shift, scale)), with (shift, scale, gate) from y."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.channels = channels
+        self.in_ln = nn.LayerNorm(channels, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(channels, channels, bias=True),
+            nn.SiLU(),
+            nn.Linear(channels, channels, bias=True),
+        )
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels, bias=True))
+
+    def forward(self, x, y):
+        shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(y).chunk(3, dim=-1)
+        h = self.mlp(modulate(self.in_ln(x), shift_mlp, scale_mlp))
+        return x + gate_mlp * h
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, model_channels, out_channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(model_channels, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(model_channels, out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 2 * model_channels, bias=True))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class SimpleMLPAdaLN(nn.Module):
+    """The denoising MLP of the diffusion head.
+
+    forward(x, t, c):
+        x: (N, C_in) noisy tokens x^t
+        t: (N,) original diffusion timesteps (0 … 999)
+        c: (N, D) condition vectors z from the MAR decoder
+    returns (N, C_out) = [ε̂ (C_in) | v (C_in)] for the learned-range variance.
+    """
+
+    def __init__(self, in_channels, model_channels, out_channels, z_channels, num_res_blocks,
+                 grad_checkpointing=False):
+        super().__init__()
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.out_channels = out_channels
+        self.num_res_blocks = num_res_blocks
+        self.grad_checkpointing = grad_checkpointing
+
+        self.time_embed = TimestepEmbedder(model_channels)
+        self.cond_embed = nn.Linear(z_channels, model_channels)
+        self.input_proj = nn.Linear(in_channels, model_channels)
+        self.res_blocks = nn.ModuleList([ResBlock(model_channels) for _ in range(num_res_blocks)])
+        self.final_layer = FinalLayer(model_channels, out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        def _basic_init(module):
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.constant_(module.bias, 0)
+        self.apply(_basic_init)
+        nn.init.normal_(self.time_embed.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.time_embed.mlp[2].weight, std=0.02)
+        # adaLN modulations and the output layer start at zero, as in DiT
+        for block in self.res_blocks:
+            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
+            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.linear.weight, 0)
+        nn.init.constant_(self.final_layer.linear.bias, 0)
+
+    def forward(self, x, t, c):
+        x = self.input_proj(x)
+        y = self.time_embed(t) + self.cond_embed(c)  # (N, W)
+        for block in self.res_blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, y, use_reentrant=False)
+            else:
+                x = block(x, y)
+        return self.final_layer(x, y)
+
+    def forward_with_cfg(self, x, t, c, cfg_scale):
+        """The official CFG call: x (2N, C) with identical halves, c (2N, D) = [cond; null].
+        Returns (2N, 2C) whose ε channels are guided in both halves."""
+        half = x[: len(x) // 2]
+        model_out = self.forward(torch.cat([half, half], dim=0), t, c)
+        eps, rest = model_out[:, :self.in_channels], model_out[:, self.in_channels:]
+        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+        return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)
+
+
+# -----------------------------------------------------------------------------
+# The noise schedule: diffusers' arrays, respaced as the official code does
+
+def respaced_timesteps(num_sampling_steps, num_train_timesteps=1000):
+    """The original timesteps kept by the sampler, ascending: diffusers' "linspace" spacing,
+    round(linspace(0, 999, T)), which is the official `space_timesteps(1000, "T")`."""
+    scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule="squaredcos_cap_v2",
+                              variance_type="learned_range", timestep_spacing="linspace", clip_sample=False)
+    scheduler.set_timesteps(int(num_sampling_steps))
+    return scheduler.timesteps.flip(0).long(), scheduler.betas.double()
+
+
+class GaussianSchedule(nn.Module):
+    """Arrays of a (respaced) DDPM schedule, indexed by step k = 0 … K−1, as float32 buffers.
+
+    `timesteps[k]` is the original timestep fed to the net. All other arrays follow improved-DDPM:
+    β_k = 1 − ᾱ_k / ᾱ_{k−1} over the kept steps, posterior q(x_{k−1} | x_k, x0) coefficients and
+    its variance β̃_k (log clipped at k = 0 to β̃_1, as the official code does).
+    """
+
+    def __init__(self, num_steps, num_train_timesteps=1000):
+        super().__init__()
+        timesteps, base_betas = respaced_timesteps(num_steps, num_train_timesteps)
+        base_alphas_cumprod = torch.cumprod(1.0 - base_betas, dim=0)  # float64 (1000,)
+        alphas_cumprod = base_alphas_cumprod[timesteps]  # (K,)
+        alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+        betas = 1.0 - alphas_cumprod / alphas_cumprod_prev
+        posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+        clipped = torch.cat([posterior_variance[1:2], posterior_variance[1:]]) if len(betas) > 1 else betas
+        arrays = dict(
+            betas=betas,
+            log_betas=torch.log(betas),
+            alphas_cumprod=alphas_cumprod,
+            sqrt_alphas_cumprod=alphas_cumprod.sqrt(),
+            sqrt_one_minus_alphas_cumprod=(1.0 - alphas_cumprod).sqrt(),
+            sqrt_recip_alphas_cumprod=(1.0 / alphas_cumprod).sqrt(),
+            sqrt_recipm1_alphas_cumprod=(1.0 / alphas_cumprod - 1.0).sqrt(),
+            posterior_log_variance_clipped=torch.log(clipped),
+            posterior_mean_coef1=betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
+            posterior_mean_coef2=(1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
+        )
+        self.num_steps = len(timesteps)
+        self.register_buffer("timesteps", timesteps, persistent=False)
+        for name, value in arrays.items():
+            self.register_buffer(name, value.float(), persistent=False)
+
+    def q_posterior(self, x0, x_t, k):
+        """Mean and clipped log-variance of q(x_{k−1} | x_k, x0). x0, x_t: (N, C); k: (N,)."""
+        mean = self.posterior_mean_coef1[k, None] * x0 + self.posterior_mean_coef2[k, None] * x_t
+        return mean, self.posterior_log_variance_clipped[k, None].expand_as(x_t)
+
+    def p_mean_variance(self, eps, v, x_t, k):
+        """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,)."""
+        frac = (v + 1) / 2
+        log_variance = frac * self.log_betas[k, None] + (1 - frac) * self.posterior_log_variance_clipped[k, None]
+        pred_x0 = self.sqrt_recip_alphas_cumprod[k, None] * x_t - self.sqrt_recipm1_alphas_cumprod[k, None] * eps
+        mean, _ = self.q_posterior(pred_x0, x_t, k)
+        return mean, log_variance, pred_x0
+
+
+# -----------------------------------------------------------------------------
+# Training-loss helpers (improved DDPM: ε-MSE + variational bound for the variance)
+
+def normal_kl(mean1, logvar1, mean2, logvar2):
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)), elementwise, in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def discretized_gaussian_log_likelihood(x, means, log_scales):
+    """log-likelihood of x ∈ [-1, 1] under a Gaussian discretised to 256 bins (the t = 0 decoder
+    term of the variational bound), elementwise. Uses the tanh approximation of the normal CDF."""
+    def cdf(u):
+        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
+    centered = x - means
+    inv_stdv = torch.exp(-log_scales)
+    cdf_plus = cdf(inv_stdv * (centered + 1.0 / 255.0))
+    cdf_min = cdf(inv_stdv * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+
+
+# -----------------------------------------------------------------------------
+# The policy's per-element transition log-probability (SPEC §2)
+
+def transition_logprob(x_prev, mean, std):
+    """ℓ = −(x_prev − μ)² / (2 s²) − log s − ½ log 2π, elementwise, no reduction.
+
+    x_prev: (..., C) the recorded x^{t-1};  mean: (..., C) μ (carries the gradient);
+    std: (..., C) s = τ σ_t, held fixed (detach it before calling if it came from the model).
+    """
+    return -((x_prev - mean) ** 2) / (2 * std ** 2) - torch.log(std) - LOG_SQRT_2PI
+
+
+def trainable_steps(num_steps):
+    """Sampling steps k whose transitions RL may train: 1 … T−2.
+
+    k = 0 adds no noise (no density). k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with
+    α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the cosine schedule's β cap of 0.999), so the ε̂ rounding of
+    float32 matmuls (~1e-7, and batch-layout dependent) moves μ by ~1e-3 σ and its log-probability
+    cannot be recomputed reproducibly (it fails the parity of SPEC §2). The released trainers
+    record every step; we leave this one out and say so.
+    """
+    return range(1, num_steps - 1)
+
+
+# -----------------------------------------------------------------------------
+# The head
+
+class DiffLoss(nn.Module):
+    """Diffusion head: training loss, guided posterior mean/variance, and ancestral sampling.
+
+    target_channels: C, the token size; z_channels: D; depth/width: the MLP's residual blocks
+    and width; num_sampling_steps: T (int or the official string, e.g. "100").
+    """
+
+    def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False):
+        super().__init__()
+        self.in_channels = target_channels
+        self.net = SimpleMLPAdaLN(
+            in_channels=target_channels,
+            model_channels=width,
+            out_channels=target_channels * 2,  # ε and the variance interpolation v
+            z_channels=z_channels,
+            num_res_blocks=depth,
+            grad_checkpointing=grad_checkpointing,
+        )
+        self.train_schedule = GaussianSchedule(1000)
+        self.gen_schedule = GaussianSchedule(int(num_sampling_steps))
+
+    @property
+    def num_sampling_steps(self):
+        return self.gen_schedule.num_steps
+
+    def forward(self, target, z, mask=None, generator=None):
+        """The official training loss: ε-MSE + variational-bound term (bits) for the variance.
+
+        target: (N, C) clean tokens; z: (N, D) conditions; mask: (N,) weights (1 = counts);
+        returns a scalar (mean over the masked rows).
+        """
+        sched = self.train_schedule
+        n, c = target.shape
+        t = torch.randint(0, sched.num_steps, (n,), device=target.device, generator=generator)
+        noise = torch.randn(target.shape, device=target.device, dtype=target.dtype, generator=generator)
+        x_t = sched.sqrt_alphas_cumprod[t, None] * target + sched.sqrt_one_minus_alphas_cumprod[t, None] * noise
+        eps, v = self.net(x_t, sched.timesteps[t], z).split(c, dim=1)  # (N, C) each
+        mse = ((noise - eps) ** 2).mean(dim=1)
+        # the variance is trained through the bound only; ε̂ is frozen there (improved DDPM)
+        mean, log_variance, _ = sched.p_mean_variance(eps.detach(), v, x_t, t)
+        true_mean, true_log_variance = sched.q_posterior(target, x_t, t)
+        kl = normal_kl(true_mean, true_log_variance, mean, log_variance).mean(dim=1) / math.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(target, mean, 0.5 * log_variance).mean(dim=1) / math.log(2.0)
+        loss = mse + torch.where(t == 0, nll, kl)  # (N,)
+        if mask is not None:
+            return (loss * mask).sum() / mask.sum()
+        return loss.mean()
+
+    def p_mean_variance(self, x_t, t, z, cfg=1.0):
+        """One reverse step's Gaussian, differentiable in z and in the net.
+
+        x_t: (N, C) noisy tokens at sampling step t
+        t:   (N,) or int, sampling-step index 0 … T−1 (T−1 = pure noise)
+        z:   (N, D) conditions, or (2N, D) = [cond; null] for classifier-free guidance
+        cfg: guidance scale w, a float or (N,) tensor; used only when z has 2N rows
+        returns (mean, log_variance, pred_x0), each (N, C), for the guided rows.
+        """
+        sched = self.gen_schedule
+        n, c = x_t.shape
+        k = torch.as_tensor(t, device=x_t.device).long().expand(n)
+        guided = z.shape[0] == 2 * n
+        x_in = torch.cat([x_t, x_t], dim=0) if guided else x_t  # (N or 2N, C)
+        out = self.net(x_in, sched.timesteps[k].repeat(2 if guided else 1), z)  # (N or 2N, 2C)
+        eps, v = out[:n, :c], out[:n, c:]  # conditional rows; v is never guided
+        if guided:
+            w = torch.as_tensor(cfg, dtype=x_t.dtype, device=x_t.device).reshape(-1, 1)
+            eps_null = out[n:, :c]
+            eps = eps_null + w * (eps - eps_null)
+        return sched.p_mean_variance(eps, v, x_t, k)
+
+    @torch.no_grad()
+    def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
+        """Ancestral sampling of tokens from conditions (SPEC §1).
+
+        z: (N, D), or (2N, D) = [cond; null] when cfg != 1 (the official layout; the two
+           halves share their noise); temperature: τ scales the per-step noise;
+           cfg: w, a float or a (N,) tensor (a tensor always means guidance).
+        record_steps: optional 1-D LongTensor of sampling-step indices k in `trainable_steps(T)`
+           whose transitions x^k → x^{k−1} are recorded for log-probability recomputation.
+        returns x0: (N, C), and when record_steps is given also a dict with
+           x_t (K, N, C), x_prev (K, N, C), std (K, N, C) = τ σ, logp (K, N, C), steps (K,).
+        """
+        guided = torch.is_tensor(cfg) or cfg != 1.0  # the official rule: z is doubled iff cfg != 1
+        if guided and z.shape[0] % 2:
+            raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
+        n = z.shape[0] // 2 if guided else z.shape[0]
+        x = torch.randn(n, self.in_channels, device=z.device, dtype=z.dtype, generator=generator)
+        record = {} if record_steps is None else {int(k): None for k in record_steps}
+        if any(k not in trainable_steps(self.num_sampling_steps) for k in record):
+            raise ValueError(f"record_steps must lie in 1 … {self.num_sampling_steps - 2}; see trainable_steps")
+        for k in range(self.num_sampling_steps - 1, -1, -1):
+            mean, log_variance, _ = self.p_mean_variance(x, k, z, cfg)
+            if k == 0:  # the last step adds no noise
+                x_prev = mean
+            else:
+                std = temperature * torch.exp(0.5 * log_variance)
+                noise = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
+                x_prev = mean + std * noise
+                if k in record:
+                    record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
+            x = x_prev
+        if record_steps is None:
+            return x
+        steps = sorted(record, reverse=True)  # in sampling order
+        x_t, x_prev, std, logp = (torch.stack([record[k][i] for k in steps]) for i in range(4))
+        traj = dict(x_t=x_t, x_prev=x_prev, std=std, logp=logp,
+                    steps=torch.tensor(steps, dtype=torch.long, device=z.device))
+        return x, traj
