@@ -73,7 +73,8 @@ class TimestepEmbedder(nn.Module):
         return embedding
 
     def forward(self, t):
-        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)  # (N, 256) float32
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
 class ResBlock(nn.Module):

@@ -1,0 +1,156 @@
+"""The GRPO objective of MAR-GRPO on plain tensors (SPEC §6, §7). Nothing here knows about MAR.
+
+For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
+
+    A_b   = (r_b − mean_group r) / (std_group r + 1e-4)
+    ρ     = exp(ℓ_θ − ℓ_old)                               (per element)
+    term  = min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)              (ρ A without clipping)
+    P_i   = Σ W · π-term / Σ W                             (π-term: term, or its MTE average)
+    KL_i  = Σ_{U_i} KL-term / Σ_{U_i} 1
+    L     = −mean_i (P_i − β KL_i)
+
+What the paper says, what the released code does, and what this file does:
+1. Advantages. Released: (r − mean) / (std + 1e-4) over the G images of a prompt, with torch's
+   default (Bessel-corrected) std. Here: the same; a group whose rewards are all equal gets
+   exactly zero advantage (its numerator is zero), never NaN; G = 1 is rejected (no group).
+2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping. Here:
+   ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is exactly the released
+   objective (value and gradient), and E > 1 is PPO with ratio clipping `--clip-eps`.
+3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between the
+   transition Gaussians). Here: the exact KL (μ_θ − μ_ref)² / (2 s²) by default ("gaussian"),
+   with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
+4. Normalisation. As released: each AR step's policy term is normalised by its kept elements,
+   its KL by its unknown elements, and the loss is the mean over trained AR steps; each step is
+   backpropagated on its own (the caller divides by the number of steps).
+5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. Here:
+   drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
+   (never the pure-noise step; see diffloss.py).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GRPOConfig:
+    """Everything the objective needs to know; `PRESETS` name the paper's variants (SPEC §7)."""
+    beta: float = 0.01            # KL weight β
+    kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"
+    clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
+    inner_epochs: int = 1         # optimizer steps per rollout
+    train_head: bool = False      # does the diffusion head get gradients?
+    mte_seeds: int = 0            # S; 0 = no multi-trajectory expectation
+    top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
+    tau: float | None = 0.0       # consistency threshold; None = no consistency mask
+    train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
+
+    def validate(self):
+        """Raise ValueError naming the flag for contradictory settings."""
+        if self.kl not in KL_KINDS:
+            raise ValueError(f"--kl {self.kl!r}: choose from {', '.join(KL_KINDS)}")
+        if self.mte_seeds == 1 or self.mte_seeds < 0:
+            raise ValueError(f"--mte-seeds {self.mte_seeds}: MTE needs S >= 2 trajectories (0 turns it off)")
+        if self.mte_seeds >= 2 and not 0 < self.top_k <= 1:
+            raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
+        if self.inner_epochs < 1:
+            raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
+        if self.train_cfg not in ("rollout", "1"):
+            raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
+        if self.clip_eps <= 0:
+            raise ValueError(f"--clip-eps {self.clip_eps}: must be > 0")
+        return self
+
+
+# the variants the paper compares (SPEC §7); every field can still be overridden by its flag
+PRESETS = {
+    "grpo": dict(train_head=True, mte_seeds=0, tau=None),
+    "grpo-fixed-head": dict(train_head=False, mte_seeds=0, tau=None),
+    "mar-grpo": dict(train_head=False, mte_seeds=3, top_k=0.3, tau=0.0),
+}
+
+
+def group_advantages(rewards, group_size, eps=1e-4):
+    """A_b = (r_b − mean_group r) / (std_group r + eps), groups of `group_size` consecutive images.
+
+    rewards: (B,) with B = (#prompts) × G, each prompt's G images adjacent
+    returns (B,) advantages
+    """
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"group size {group_size} must be >= 2 and divide the batch of {rewards.numel()}")
+    r = rewards.reshape(-1, group_size)  # (#prompts, G)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def policy_surrogate(logp, logp_old, adv, clip_eps=None):
+    """Per-element PPO surrogate to maximise: min(ρ A, clip(ρ, 1−ε, 1+ε) A), ρ = exp(ℓ − ℓ_old).
+
+    logp: (...) ℓ_θ with gradient; logp_old: (...) detached, broadcastable; adv: broadcastable
+    (e.g. (1, B, 1, 1)); clip_eps: None for the unclipped ρ A.
+    returns (surrogate (...), ratio (...) detached)
+    """
+    ratio = torch.exp(logp - logp_old)
+    surrogate = ratio * adv
+    if clip_eps is not None:
+        surrogate = torch.minimum(surrogate, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    return surrogate, ratio.detach()
+
+
+KL_KINDS = ("gaussian", "k3", "mean-k3")
+
+
+def kl_term(kind, mean, mean_ref, std, logp=None, logp_ref=None):
+    """Per-element KL penalty between the policy's and the reference's transitions (SPEC §6).
+
+    gaussian: (μ_θ − μ_ref)² / (2 s²), the exact KL of N(μ_θ, s²) from N(μ_ref, s²);
+    k3:       e^{ℓ_ref − ℓ_θ} − (ℓ_ref − ℓ_θ) − 1 at the recorded x^{t−1};
+    mean-k3:  e^{Δμ} − Δμ − 1, Δμ = μ_ref − μ_θ (the released code's term).
+    mean, mean_ref, std (and logp, logp_ref for k3): same shape; returns that shape.
+    """
+    if kind == "gaussian":
+        return (mean - mean_ref) ** 2 / (2 * std ** 2)
+    if kind == "k3":
+        d = logp_ref - logp
+        return torch.exp(d) - d - 1
+    if kind == "mean-k3":
+        d = mean_ref - mean
+        return torch.exp(d) - d - 1
+    raise ValueError(f"--kl {kind!r}: choose from {', '.join(KL_KINDS)}")
+
+
+def masked_mean(x, mask):
+    """Σ x·mask / Σ mask with mask broadcast over x (0 when the mask is empty).
+
+    x: (K, B, n, C) per-element values; mask: (B, n) bool or float over positions.
+    """
+    m = mask.to(x.dtype)[None, :, :, None].expand_as(x)  # (K, B, n, C)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def ar_step_objective(pi_term, keep, kl, beta):
+    """The loss of one trained AR step: −(P_i − β KL_i).
+
+    pi_term: (K, B, n, C) policy term per element (surrogate, MTE-averaged where chosen);
+    keep: (B, n) W on the unknown positions of this step; kl: (K, B, n, C) KL-term, or None
+    when β = 0. All positions of the packed layout are unknown, so KL_i is a plain mean.
+    returns (loss, P_i, KL_i), scalars.
+    """
+    p = masked_mean(pi_term, keep)
+    k = kl.mean() if kl is not None else torch.zeros((), device=pi_term.device)
+    return -(p - beta * k), p.detach(), k.detach()
+
+
+def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator):
+    """Which AR steps and diffusion steps a rollout records (SPEC §3), before it starts.
+
+    num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
+    diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them.
+    returns (sorted list of AR steps, descending LongTensor of diffusion steps)
+    """
+    ar = torch.randperm(num_iter, generator=generator)[:min(num_ar, num_iter)].sort().values.tolist()
+    trainable = torch.as_tensor(list(trainable), dtype=torch.long)
+    if len(trainable) == 0:
+        raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
+    pick = torch.randperm(len(trainable), generator=generator)[:min(num_diff, len(trainable))]
+    return ar, trainable[pick].sort(descending=True).values

@@ -1,0 +1,74 @@
+"""Token masks of MAR-GRPO: which positions get the multi-trajectory term, and which positions
+the policy term keeps (SPEC §4, §5). Plain tensors; nothing here knows about MAR.
+
+    u_p    = mean_c std_s x0^(s)_{p,c}                      per-token uncertainty over S seeds
+    M_unc  = top-k% of positions by u_p, per image
+    Δsim_p = cos(x̂0^(i)_p, x_final,p) − cos(x̂0^(i−1)_p, x_final,p)
+    H_p    = 1[Δsim_p > τ]
+    W      = U_i ∧ (H ∨ P_i)   for i ≥ 1;   W = U_i at the first AR step
+
+What the paper says, what the released code does, and what this file does:
+1. Uncertainty. Paper: the spread of the S trajectories' predictions. Released: population std
+   (unbiased=False) across seeds of each token's final sample, averaged over channels. Here: the
+   same (`token_uncertainty`).
+2. Top-k%. Released: k = max(1, int(L · k%)) positions per image by `topk`, whose order among
+   ties is unspecified. Here: the same k, with ties broken by position (a stable sort), so the
+   mask is a deterministic function of u.
+3. Consistency. Paper: drop tokens whose intermediate prediction does not move toward the final
+   image (Δsim ≤ τ). Released: compares the head's last denoised latents of AR steps i and i−1
+   with the final latents, keeps hard-mask ∨ written-this-step inside the unknown set, and applies
+   it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). Here: the same
+   rule from i ≥ 1, the first step at which a previous preview exists (SPEC §5); at i = 0, W = U.
+4. Only the policy term is masked by W; the KL term keeps all of U_i (grpo.py).
+"""
+
+
+import torch
+import torch.nn.functional as F
+
+
+def token_uncertainty(x0_seeds):
+    """u_p = mean over channels of the population std across seeds.
+
+    x0_seeds: (S, B, L, C) final tokens of S head trajectories per position
+    returns u: (B, L)
+    """
+    return x0_seeds.std(dim=0, unbiased=False).mean(dim=-1)
+
+
+def top_k_mask(u, frac):
+    """M_unc: the max(1, int(L·frac)) most uncertain positions of each image (ties: lower position
+    first). frac = 0 gives an all-False mask.
+
+    u: (B, L) uncertainties; frac: fraction k% in [0, 1]
+    returns (B, L) bool
+    """
+    bsz, seq_len = u.shape
+    mask = torch.zeros(bsz, seq_len, dtype=torch.bool, device=u.device)
+    if frac <= 0:
+        return mask
+    k = min(seq_len, max(1, int(seq_len * frac)))
+    order = torch.sort(u, dim=1, descending=True, stable=True).indices  # (B, L)
+    return mask.scatter(1, order[:, :k], True)
+
+
+def delta_sim(preview, preview_prev, final):
+    """Δsim_p = cos(x̂0^(i)_p, x_p) − cos(x̂0^(i−1)_p, x_p), cosine over channels.
+
+    preview, preview_prev, final: (B, L, C)   returns (B, L)
+    """
+    return F.cosine_similarity(preview, final, dim=-1) - F.cosine_similarity(preview_prev, final, dim=-1)
+
+
+def consistency_mask(preview, preview_prev, final, unknown, pred, tau=0.0):
+    """W = U ∧ (H ∨ P) with H = 1[Δsim > τ]; W = U when there is no previous preview (i = 0)
+    or when τ is None (the mask switched off).
+
+    preview: (B, L, C) x̂0 at AR step i; preview_prev: (B, L, C) at step i−1, or None;
+    final: (B, L, C) the rollout's final tokens; unknown: (B, L) bool U_i; pred: (B, L) bool P_i
+    returns W: (B, L) bool
+    """
+    if preview_prev is None or tau is None:
+        return unknown.clone()
+    keep = delta_sim(preview, preview_prev, final) > tau  # H, (B, L)
+    return unknown & (keep | pred)
