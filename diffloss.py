@@ -342,6 +342,10 @@ class DiffLoss(nn.Module):
         cfg: guidance scale w, a float or (N,) tensor; used only when z has 2N rows
         returns (mean, log_variance, pred_x0), each (N, C), for the guided rows.
         """
+        if torch.is_autocast_enabled(x_t.device.type):  # the head always runs in fp32
+            with torch.autocast(x_t.device.type, enabled=False):
+                mean, log_variance, pred_x0 = self.p_mean_variance(x_t.float(), t, z.float(), cfg)
+            return mean, log_variance, pred_x0
         sched = self.gen_schedule
         n, c = x_t.shape
         k = torch.as_tensor(t, device=x_t.device).long().expand(n)
@@ -371,6 +375,7 @@ class DiffLoss(nn.Module):
         if guided and z.shape[0] % 2:
             raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
         n = z.shape[0] // 2 if guided else z.shape[0]
+        z = z.float()  # the head samples in fp32, also under bf16 autocast
         x = torch.randn(n, self.in_channels, device=z.device, dtype=z.dtype, generator=generator)
         record = {} if record_steps is None else {int(k): None for k in record_steps}
         if any(k not in trainable_steps(self.num_sampling_steps) for k in record):

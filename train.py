@@ -1,0 +1,758 @@
+"""MAR-GRPO training: one script from a CPU laptop to `torchrun --nproc_per_node=8`.
+
+    python train.py                      # the demo: pretrain a small MAR on the shapes world (cached),
+                                         # MAR-GRPO on shapes prompts, held-out evaluation before/after
+    python train.py --preset smoke       # the whole pipeline at toy size (tests, CI)
+    torchrun --nproc_per_node=8 train.py --preset mar_base --init mar_base.pth --vae kl16.ckpt \\
+        --reward hpsv2 --reward-ckpt hpsv2=HPS_v2.1_compressed.pt
+    python train.py --eval-only --init CKPT --prompts FILE --out DIR
+
+Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL from `--init`),
+`--stage all` (the default: pretrain unless `--init` or a cached base exists, then GRPO, then
+held-out evaluation of base and tuned models). The single-process path is the distributed path:
+DDP is used when torchrun sets RANK; rank 0 alone logs and writes. Every random draw of a step is
+seeded by (seed, step, rank), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+import diffloss
+import grpo
+import mar
+import masks
+import mte
+import policy
+import rewards
+import shapes
+
+# -----------------------------------------------------------------------------
+# Configuration: one flat block of defaults; a preset replaces some of them; flags win.
+
+DEFAULTS = dict(
+    # run
+    preset="demo", stage="all", out=None, init=None, resume=False, eval_only=False, seed=0,
+    device="auto", threads=0, wandb=False,
+    # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
+    # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
+    model="small", img_size=32, patch_size=4, embed_dim=192, depth=4, heads=4, head_depth=3, head_width=256,
+    vae=None,
+    # sampling
+    num_iter=8, num_sampling_steps=25, cfg=3.0, cfg_schedule="linear", temperature=1.0,
+    # pretraining (shapes world)
+    pretrain_steps=1500, pretrain_batch=64, pretrain_lr=1e-3, ema=0.999, diffusion_batch_mul=4,
+    # GRPO (SPEC §6–§8)
+    method="mar-grpo", steps=60, prompts_per_step=8, group_size=8, lr=5e-5, weight_decay=0.0, max_grad_norm=1.0,
+    train_ar_steps=4, train_diff_steps=8, beta=None, kl=None, clip_eps=None, inner_epochs=None, train_cfg=None,
+    mte_seeds=None, top_k=None, tau=None, train_head=None,
+    # rewards and prompts
+    reward="shapes", reward_ckpt=[], prompts=None, split="train",
+    # evaluation, logging, checkpoints
+    eval_prompts=96, eval_images_per_prompt=1, sample_every=20, save_every=20, keep_last=2, max_bad_steps=5,
+)
+
+PRESETS = {
+    # python train.py: about 15 minutes on 2 CPU cores in all
+    "demo": {},
+    # the whole pipeline at toy size, under a minute on 2 CPU cores
+    "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
+                  pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
+                  train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2,
+                  diffusion_batch_mul=1),
+    # official MAR-B at 256 px on 8 GPUs, with the released MAR-GRPO hyperparameters (SPEC §8):
+    # 1 prompt × G = 4 images per GPU, 64 AR steps, 12 AR × 10 diffusion steps trained, β = 0.01,
+    # constant LR, 1200 steps, a checkpoint every 50, HPS v2.1 reward. CFG 3.0 and 100 diffusion
+    # steps are MAR-B's own sampling settings; lr 2e-6 is the NOVA run's.
+    "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0,
+                     steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
+                     reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+}
+
+HELP = dict(
+    preset="named group of defaults: demo (default), smoke, mar_base", stage="pretrain | grpo | all",
+    out="output folder (default runs/<preset>)", init="base checkpoint: ours or an official MAR .pth",
+    resume="continue from the latest checkpoint in --out", eval_only="generate for --prompts and score, then exit",
+    seed="global seed; every step's randomness derives from (seed, step, rank)", device="auto | cpu | cuda",
+    threads="torch CPU threads (0: torch's default)", wandb="also log to Weights & Biases (if installed)",
+    model="small | mar_base | mar_large | mar_huge", img_size="image size in pixels (small model)",
+    patch_size="pixels per token side (small model)", embed_dim="transformer width (small model)",
+    depth="encoder and decoder blocks each (small model)", heads="attention heads (small model)",
+    head_depth="diffusion-head residual blocks (small model)", head_width="diffusion-head width (small model)",
+    vae="KL-16 VAE .ckpt (LDM format) for the official models",
+    num_iter="AR steps N per image", num_sampling_steps="diffusion steps T of the head", cfg="guidance w",
+    cfg_schedule="linear | constant", temperature="τ of the head's noise",
+    pretrain_steps="optimizer steps of base pretraining", pretrain_batch="images per pretraining step (global)",
+    pretrain_lr="pretraining peak learning rate", ema="EMA decay of the pretrained base",
+    diffusion_batch_mul="official diffusion_batch_mul for pretraining",
+    method="grpo | grpo-fixed-head | mar-grpo (SPEC §7); component flags override it",
+    steps="GRPO steps", prompts_per_step="prompts per GRPO step (global; divides by the world size)",
+    group_size="images per prompt G", lr="GRPO learning rate (constant)", weight_decay="AdamW weight decay",
+    max_grad_norm="gradient clipping", train_ar_steps="AR steps trained per rollout",
+    train_diff_steps="diffusion steps trained per AR step", beta="KL weight β (0.01)",
+    kl="gaussian | k3 | mean-k3", clip_eps="PPO clip ε (used when --inner-epochs > 1)",
+    inner_epochs="optimizer steps per rollout (1 = released)", train_cfg="rollout | 1 (released)",
+    mte_seeds="S trajectories for MTE (0 = off)", top_k="fraction of tokens with MTE",
+    tau="consistency threshold τ, or 'off'", train_head="train the diffusion head: yes | no",
+    reward="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5",
+    reward_ckpt="reward weights, KEY=PATH (repeatable), e.g. hpsv2=HPS_v2.1_compressed.pt",
+    prompts="prompt file, one per line (shapes prompts, or class indices for official models)",
+    split="shapes prompts to train on: train | all", eval_prompts="held-out prompts to evaluate (0 = skip)",
+    eval_images_per_prompt="images per evaluated prompt", sample_every="write a sample grid every N steps",
+    save_every="checkpoint every N steps", keep_last="checkpoints kept", max_bad_steps="consecutive non-finite steps before stopping",
+)
+
+
+def parse_args(argv=None):
+    """Flags over preset over DEFAULTS. Returns an argparse.Namespace."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    preset = pre.parse_known_args(argv)[0].preset
+    defaults = {**DEFAULTS, **PRESETS[preset], "preset": preset}
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, value in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true", default=value, help=HELP[name])
+        elif isinstance(value, list):
+            p.add_argument(flag, action="append", default=list(value), help=HELP[name])
+        elif name in ("beta", "clip_eps", "top_k"):
+            p.add_argument(flag, type=float, default=value, help=HELP[name])
+        elif name in ("mte_seeds", "inner_epochs"):
+            p.add_argument(flag, type=int, default=value, help=HELP[name])
+        else:
+            p.add_argument(flag, type=type(value) if value is not None else str, default=value, help=HELP[name])
+    args = p.parse_args(argv)
+    args.out = args.out or os.path.join("runs", preset)
+    return args
+
+
+def grpo_config(args):
+    """The method preset (SPEC §7) with every component flag that was given on top."""
+    if args.method not in grpo.PRESETS:
+        raise ValueError(f"--method {args.method!r}: choose from {', '.join(grpo.PRESETS)}")
+    cfg = grpo.GRPOConfig(**grpo.PRESETS[args.method])
+    for f in fields(grpo.GRPOConfig):
+        value = getattr(args, f.name)
+        if value is None:
+            continue
+        if f.name == "tau":
+            value = None if str(value).lower() == "off" else float(value)
+        if f.name == "train_head":
+            if str(value).lower() not in ("yes", "no"):
+                raise ValueError(f"--train-head {value!r}: choose yes or no")
+            value = str(value).lower() == "yes"
+        setattr(cfg, f.name, value)
+    return cfg.validate()
+
+
+# -----------------------------------------------------------------------------
+# Distributed setup and rank-0 I/O
+
+class Ctx:
+    """Process-wide facts: rank, world size, device, whether this is the master process."""
+
+    def __init__(self, args):
+        self.ddp = int(os.environ.get("RANK", -1)) != -1
+        want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        if self.ddp:
+            dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            local = int(os.environ.get("LOCAL_RANK", 0))
+        else:
+            self.rank, self.world, local = 0, 1, 0
+        self.device = torch.device(f"cuda:{local}" if want_cuda else "cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.master = self.rank == 0
+        # bf16 autocast on CUDA, fp32 on CPU; the diffusion head always runs in fp32 (diffloss.py)
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if want_cuda else contextlib.nullcontext
+
+    def print0(self, *a, **k):
+        if self.master:
+            print(*a, **k, flush=True)
+
+    def mean(self, values):
+        """All-reduce a dict of floats to their mean over ranks (every rank must call it)."""
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        if self.ddp:
+            dist.all_reduce(t)
+            t /= self.world
+        return dict(zip(keys, t.tolist()))  # .tolist() syncs with the GPU
+
+    def barrier(self):
+        if self.ddp:
+            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+
+def seeded(*parts):
+    """A torch.Generator seeded by a tuple of ints (seed, stage, step, rank)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(list(parts)).generate_state(1)[0]))
+
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file in the same folder, then rename: never a half-written file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    if os.environ.get("MARGRPO_TEST_SLOW_SAVE"):  # test hook: widen the window for a kill
+        time.sleep(float(os.environ["MARGRPO_TEST_SLOW_SAVE"]))
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# Models, codecs, prompts
+
+def small_mar_config(args):
+    return dict(img_size=args.img_size, vae_stride=1, patch_size=args.patch_size, vae_embed_dim=3,
+                encoder_embed_dim=args.embed_dim, encoder_depth=args.depth, encoder_num_heads=args.heads,
+                decoder_embed_dim=args.embed_dim, decoder_depth=args.depth, decoder_num_heads=args.heads,
+                mlp_ratio=4.0, norm_eps=1e-6, class_num=1, buffer_size=shapes.MAX_PROMPT_TOKENS,
+                diffloss_d=args.head_depth, diffloss_w=args.head_width,
+                num_sampling_steps=str(args.num_sampling_steps), attn_dropout=0.0, proj_dropout=0.0,
+                diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB))
+
+
+def load_policy(args, path):
+    """A MAR from a checkpoint (ours, or official with --model mar_*), with the run's sampler steps."""
+    if args.model == "small":
+        return mar.load_checkpoint(path, num_sampling_steps=str(args.num_sampling_steps))
+    factory = getattr(mar, args.model)
+    model = factory(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(args.num_sampling_steps))
+    return mar.load_checkpoint(path, model=model)
+
+
+def make_codec(args, model):
+    """Pixels for the small model; the KL-16 VAE (--vae) for official models."""
+    if model.config["vae_stride"] == 1:
+        return mar.PixelCodec()
+    if not args.vae:
+        raise ValueError("--vae: the official MAR models need the KL-16 VAE checkpoint (kl16.ckpt)")
+    import vae
+    return vae.VAECodec(vae.load_vae(args.vae))
+
+
+class Prompts:
+    """Prompts and their conditioning. Shapes prompts (metadata dicts) for prompt-conditioned
+    models; ImageNet class indices for class-conditioned ones (text = "a photo of a <class>")."""
+
+    def __init__(self, model, path=None, split="train"):
+        self.text_conditioned = model.config.get("text_vocab_size", 0) > 0
+        self.items = None
+        if path is not None:
+            self.items = read_prompt_file(path, self.text_conditioned, model.num_classes)
+        elif not self.text_conditioned:
+            self.items = list(range(model.num_classes))
+        self.split = split
+
+    def sample(self, n, seed, step):
+        """n prompts for one step, identical on every rank (one seeded draw, then sliced)."""
+        rng = np.random.default_rng([seed, 7, step])
+        if self.items is None:
+            return shapes.sample_prompts(n, rng, split=self.split)
+        return [self.items[i] for i in rng.integers(0, len(self.items), n)]
+
+    def condition(self, items, device):
+        """dict(prompt_ids=(B, S)) or dict(labels=(B,)) for MAR."""
+        if self.text_conditioned:
+            return dict(prompt_ids=torch.from_numpy(shapes.tokenize([m["prompt"] for m in items])).to(device))
+        return dict(labels=torch.tensor([int(c) for c in items], device=device))
+
+    def texts(self, items):
+        if self.text_conditioned:
+            return [m["prompt"] for m in items]
+        from torchvision.models._meta import _IMAGENET_CATEGORIES
+        return [f"a photo of a {_IMAGENET_CATEGORIES[int(c)]}" for c in items]
+
+    def metas(self, items):
+        return list(items) if self.text_conditioned else [{"class": int(c)} for c in items]
+
+
+def read_prompt_file(path, text_conditioned, num_classes):
+    """Prompt lines: shapes prompts (parsed, so a typo fails now) or class indices."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts: no such file: {path}")
+    lines = [(i + 1, line.strip()) for i, line in enumerate(open(path, encoding="utf-8")) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {path}: the file has no prompts")
+    items = []
+    for no, line in lines:
+        if text_conditioned:
+            try:
+                items.append(shapes.parse_prompt(line))
+            except ValueError as e:
+                raise ValueError(f"--prompts {path}:{no}: {e}") from None
+        else:
+            head = line.split()[0]
+            if not head.isdigit() or not 0 <= int(head) < num_classes:
+                raise ValueError(f"--prompts {path}:{no}: expected a class index in 0 … {num_classes - 1}, got {line!r}")
+            items.append(int(head))
+    return items
+
+
+# -----------------------------------------------------------------------------
+# Writing images, grids and plots
+
+def save_grid(images, captions, path, scale=4):
+    """A grid of images (B, 3, H, W) in [0, 1] with a caption under each."""
+    from PIL import Image, ImageDraw
+    b, _, h, w = images.shape
+    cols = min(8, b)
+    rows = math.ceil(b / cols)
+    cw, ch = max(w * scale, 160), h * scale + 28
+    grid = Image.new("RGB", (cols * cw, rows * ch), "white")
+    draw = ImageDraw.Draw(grid)
+    arr = (images.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+    for i in range(b):
+        x, y = (i % cols) * cw, (i // cols) * ch
+        grid.paste(Image.fromarray(arr[i]).resize((w * scale, h * scale), Image.NEAREST), (x, y))
+        text = captions[i]
+        draw.text((x + 2, y + h * scale + 2), text[:26], fill="black")
+        draw.text((x + 2, y + h * scale + 14), text[26:52], fill="black")
+    grid.save(path)
+
+
+def plot_curves(metrics_path, out_path):
+    """Reward and gradient norm over steps, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in open(metrics_path)]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    steps = [r["step"] for r in rows]
+    ax[0].plot(steps, [r["reward_mean"] for r in rows])
+    ax[0].set(xlabel="step", ylabel="reward (mean)")
+    ax[1].plot(steps, [r["grad_norm"] for r in rows])
+    ax[1].set(xlabel="step", ylabel="grad norm (before clipping)")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# Stage 1: pretrain a small MAR on the shapes world (the demo's base model)
+
+def pretrain(args, ctx):
+    """MAE-style diffusion-loss training with EMA; writes <out>/base.pt (the EMA weights)."""
+    if args.pretrain_batch % ctx.world:
+        raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {ctx.world}")
+    local_batch = args.pretrain_batch // ctx.world
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = mar.build_mar(small_mar_config(args)).to(ctx.device)
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.pretrain_lr,
+                            betas=(0.9, 0.95), weight_decay=0.02)
+    net = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) if ctx.ddp else model
+    codec = mar.PixelCodec()
+    ctx.print0(f"pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter MAR "
+               f"for {args.pretrain_steps} steps of {args.pretrain_batch} images")
+    for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
+        # --- data: fresh renders of train-split prompts, a different slice on every rank
+        rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
+        imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train")
+        x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
+        ids = torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)
+        # --- update: linear warm-up, then cosine decay to 10%
+        frac = step / max(1, args.pretrain_steps)
+        lr = args.pretrain_lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with ctx.autocast():
+            loss = net(x, prompt_ids=ids, generator=seeded(args.seed, 2, step, ctx.rank))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():  # EMA with a short warm-up
+            decay = min(args.ema, (1 + step) / (10 + step))
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - decay)
+        if step % 50 == 0:  # once in a while: the loss averaged over ranks
+            loss_mean = ctx.mean({"loss": loss.item()})["loss"]  # .item() syncs with the GPU
+            if ctx.master:
+                tqdm.write(f"pretrain step {step}: loss {loss_mean:.4f}")
+    path = os.path.join(args.out, "base.pt")
+    if ctx.master:
+        os.makedirs(args.out, exist_ok=True)
+        atomic_save({"model": ema.state_dict(), "config": ema.config, "args": vars(args), "stage": "pretrain"}, path)
+        ctx.print0(f"base model: {path}")
+    ctx.barrier()
+    return path
+
+
+# -----------------------------------------------------------------------------
+# Stage 2: GRPO
+
+class PolicyLoss(nn.Module):
+    """The policy as a module whose forward is one AR step's GRPO loss, so DDP can wrap it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ref, record, j, condition, adv, cfg, seeds=None, uncertain=None, old=None):
+        return policy.rollout_loss(self.model, ref, record, j, condition, adv, cfg, seeds, uncertain, old)
+
+
+def backward_rollout(loss_module, ddp, ref, record, condition, adv, cfg, seeds, uncertain, olds):
+    """Backward through every trained AR step, one at a time (each graph is freed before the
+    next); DDP's all-reduce happens once, on the last. Returns (stats list, olds)."""
+    steps = record["steps"]
+    stats, new_olds = [], []
+    for j in range(len(steps)):
+        sync = not ddp or j == len(steps) - 1
+        with contextlib.nullcontext() if sync else loss_module.no_sync():
+            loss, s, old = loss_module(ref, record, j, condition, adv, cfg, seeds, uncertain, olds[j])
+            (loss / len(steps)).backward()
+        stats.append(s)
+        new_olds.append(old)
+    return stats, new_olds
+
+
+def grpo_train(args, ctx, init_path, codec):
+    """RL from `init_path`; checkpoints, samples and metrics under args.out. Returns the final
+    checkpoint path."""
+    cfg = grpo_config(args)
+    if args.prompts_per_step % ctx.world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {ctx.world} "
+                         "(each prompt's group is generated on one rank)")
+    local_prompts = args.prompts_per_step // ctx.world
+    if args.group_size < 2:
+        raise ValueError(f"--group-size {args.group_size}: GRPO needs at least 2 images per prompt")
+
+    model = load_policy(args, init_path).to(ctx.device)
+    ref = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen reference of the KL (from --init)
+    model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
+    model.diffloss.requires_grad_(cfg.train_head)
+    prompts = Prompts(model, args.prompts, args.split)
+    (model.class_emb if prompts.text_conditioned else getattr(model, "text_emb", nn.Identity())).requires_grad_(False)
+    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+    reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=weights)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    loss_module = PolicyLoss(model)
+    if ctx.ddp:
+        loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    start, bad_steps = 0, 0
+    if args.resume:
+        start = resume_from(ckpt_dir, model, opt)
+        ctx.print0(f"resumed from step {start}")
+    if ctx.master:
+        os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
+        os.makedirs(ckpt_dir, exist_ok=True)
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump({**vars(args), "grpo": vars(cfg), "world_size": ctx.world}, f, indent=1)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if ctx.master and start == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
+               f"world size {ctx.world}; {cfg}")
+
+    G, B = args.group_size, local_prompts * args.group_size
+    for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start, total=args.steps):
+        last_step = step == args.steps - 1
+        t0 = time.time()
+        # --- rollout: this rank's prompts, G images each, recording the chosen steps
+        items = prompts.sample(args.prompts_per_step, args.seed, step)[ctx.rank * local_prompts:(ctx.rank + 1) * local_prompts]
+        items = [it for it in items for _ in range(G)]  # each prompt's group stays together
+        condition = prompts.condition(items, ctx.device)
+        plan_ar, plan_diff = grpo.choose_train_steps(args.num_iter, args.train_ar_steps,
+                                                     diffloss.trainable_steps(args.num_sampling_steps),
+                                                     args.train_diff_steps, seeded(args.seed, 3, step, ctx.rank))
+        plan = mar.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff.to(ctx.device))
+        gen = seeded(args.seed, 4, step, ctx.rank)
+        with ctx.autocast():
+            latents, record = model.sample_tokens(B, num_iter=args.num_iter, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
+                                                  temperature=args.temperature, generator=gen, plan=plan, **condition)
+            images = codec.decode(latents.float())
+        t_rollout = time.time() - t0
+
+        # --- reward and advantages
+        t1 = time.time()
+        try:
+            scores, info = reward_fn(images, prompts.texts(items), prompts.metas(items))
+        except Exception as e:
+            raise RuntimeError(f"reward {args.reward!r} failed on prompts {prompts.texts(items)[::G]}: "
+                               f"{type(e).__name__}: {e}") from e
+        scores = scores.to(ctx.device)
+        adv = grpo.group_advantages(scores, G)
+        t_reward = time.time() - t1
+
+        # --- multi-trajectory expectation: S head trajectories from z_final, per-token uncertainty
+        t2 = time.time()
+        seeds = uncertain = None
+        if cfg.mte_seeds >= 2:
+            seeds = mte.sample_trajectories(model.diffloss, record["z_final"], record.get("z_final_null"),
+                                            record["cfg_final"], args.temperature, cfg.mte_seeds, plan.diff_steps,
+                                            seeded(args.seed, 5, step, ctx.rank))
+            uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), cfg.top_k)
+
+        # --- policy update: E inner epochs, one backward per trained AR step
+        olds = [None] * len(record["steps"])
+        skipped = False
+        for epoch in range(cfg.inner_epochs):
+            with ctx.autocast():
+                step_stats, olds = backward_rollout(loss_module, ctx.ddp, ref, record, condition, adv, cfg,
+                                                    seeds, uncertain, olds)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            finite = torch.isfinite(grad_norm) & torch.isfinite(scores).all()
+            if ctx.ddp:  # every rank must agree to skip
+                flag = finite.float().to(ctx.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                finite = flag > 0
+            if bool(finite):  # syncs with the GPU
+                opt.step()
+            else:
+                skipped = True
+            opt.zero_grad(set_to_none=True)
+        t_update = time.time() - t2
+        bad_steps = bad_steps + 1 if skipped else 0
+
+        # --- logging: scalars are averaged over ranks before rank 0 writes them
+        local = dict(reward_mean=scores.mean().item(), reward_std=scores.std().item() if len(scores) > 1 else 0.0,
+                     adv_abs_mean=adv.abs().mean().item(), adv_max=adv.max().item(), grad_norm=float(grad_norm),
+                     diversity=group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                     skipped=float(skipped))
+        for key in step_stats[0]:
+            local[key] = float(np.mean([s.get(key, 0.0) for s in step_stats]))
+        for name, value in info.get("means", {}).items():
+            local[f"reward/{name}"] = value
+        row = {"step": step, **ctx.mean(local)}
+        if ctx.master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if args.wandb:
+                import wandb
+                wandb.log(row, step=step)
+        if skipped:
+            ctx.print0(f"step {step}: non-finite reward, loss or gradient; update skipped ({bad_steps} in a row)")
+            if bad_steps >= args.max_bad_steps:
+                raise RuntimeError(f"{bad_steps} consecutive non-finite steps (--max-bad-steps {args.max_bad_steps}); "
+                                   f"stopping; the last good checkpoint is in {ckpt_dir}")
+
+        # --- once in a while: a sample grid, a checkpoint
+        if ctx.master and (step % args.sample_every == 0 or last_step):
+            save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(prompts.texts(items), scores.tolist())][:16],
+                      os.path.join(args.out, "samples", f"step_{step:06d}.png"))
+        if (step + 1) % args.save_every == 0 or last_step:
+            save_checkpoint(ckpt_dir, step + 1, model, opt, args, cfg, ctx)
+    if ctx.master and os.path.exists(metrics_path):
+        plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
+    return os.path.join(ckpt_dir, "latest.pt")
+
+
+def group_diversity(images, G):
+    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
+    x = images.flatten(1).reshape(-1, G, images[0].numel())  # (#prompts, G, 3·H·W)
+    d = torch.cdist(x.float(), x.float()) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
+    return (d.sum() / (d.shape[0] * G * (G - 1))).item()
+
+
+def save_checkpoint(ckpt_dir, step, model, opt, args, cfg, ctx):
+    """Policy, optimizer and step as plain dicts (weights_only=True loads them), written
+    atomically by rank 0; older ones beyond --keep-last are pruned. The reference policy is
+    rebuilt from --init, not stored. Every step's randomness derives from (seed, step, rank), so
+    the step is the sampler position and the only RNG state needed to continue identically."""
+    ctx.barrier()
+    if ctx.master:
+        state = {"model": model.state_dict(), "config": model.config, "optimizer": opt.state_dict(), "step": step,
+                 "args": vars(args), "grpo": vars(cfg), "torch_rng": torch.get_rng_state()}
+        path = os.path.join(ckpt_dir, f"step_{step:06d}.pt")
+        atomic_save(state, path)
+        atomic_save(state, os.path.join(ckpt_dir, "latest.pt"))
+        kept = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_") and f.endswith(".pt"))
+        for old in kept[:-args.keep_last] if args.keep_last > 0 else []:
+            os.remove(os.path.join(ckpt_dir, old))
+    ctx.barrier()
+
+
+def resume_from(ckpt_dir, model, opt):
+    """Load the newest readable checkpoint in ckpt_dir into model and optimizer; returns its step."""
+    candidates = sorted((f for f in os.listdir(ckpt_dir) if f.startswith("step_") and f.endswith(".pt")), reverse=True) \
+        if os.path.isdir(ckpt_dir) else []
+    for name in candidates:
+        path = os.path.join(ckpt_dir, name)
+        try:
+            state = mar.read_checkpoint(path, "--resume")
+        except ValueError as e:
+            print(f"skipping unreadable checkpoint: {e}", file=sys.stderr)
+            continue
+        mar.check_state_dict(model, state["model"], path, "--resume")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["step"])
+    raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: generate for prompts, score, write images and one JSON line per image
+
+@torch.no_grad()
+def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
+    """Every rank generates a slice; rank 0 gathers and writes. Returns a summary dict."""
+    model.eval()
+    n = args.eval_images_per_prompt
+    jobs = [(i, it) for i, it in enumerate(items) for _ in range(n)]
+    mine = jobs[ctx.rank::ctx.world]
+    rows = []
+    batch = 64
+    if ctx.master:
+        os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    for b0 in tqdm(range(0, len(mine), batch), disable=not ctx.master, desc=f"eval {tag}"):
+        chunk = mine[b0:b0 + batch]
+        its = [it for _, it in chunk]
+        with ctx.autocast():
+            latents = model.sample_tokens(len(its), num_iter=args.num_iter, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
+                                          temperature=args.temperature, generator=seeded(args.seed, 6, b0, ctx.rank),
+                                          **prompts.condition(its, ctx.device))
+            images = codec.decode(latents.float())
+        scores, info = reward_fn(images, prompts.texts(its), prompts.metas(its))
+        details = info.get("details", [{}] * len(its))
+        for k, ((i, it), img) in enumerate(zip(chunk, images)):
+            rows.append(dict(index=i, prompt=prompts.texts([it])[0], reward=float(scores[k]),
+                             category=it.get("category") if isinstance(it, dict) else None,
+                             details=details[k], image=img.cpu()))
+    if ctx.ddp:
+        gathered = [None] * ctx.world
+        dist.all_gather_object(gathered, rows)
+        rows = [r for part in gathered for r in part]
+    summary = {}
+    if ctx.master:
+        from PIL import Image
+        rows.sort(key=lambda r: r["index"])
+        with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
+            for k, r in enumerate(rows):
+                name = f"images/{k:05d}.png"
+                arr = (r.pop("image").clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+                Image.fromarray(arr).save(os.path.join(out_dir, name))
+                f.write(json.dumps({"prompt": r["prompt"], "file": name, "reward": r["reward"],
+                                    "category": r["category"], "details": r["details"]}) + "\n")
+        summary = summarize(rows)
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    ctx.barrier()
+    return summary
+
+
+def summarize(rows):
+    """Mean reward, and for shapes prompts the accuracy (all checks pass) by category."""
+    out = {"n": len(rows), "reward_mean": float(np.mean([r["reward"] for r in rows]))}
+    correct = [r for r in rows if "correct" in (r["details"] or {})]
+    if correct:
+        out["accuracy"] = float(np.mean([r["details"]["correct"] for r in correct]))
+        for cat in shapes.CATEGORIES:
+            sel = [r["details"]["correct"] for r in correct if r["category"] == cat]
+            if sel:
+                out[f"accuracy/{cat}"] = float(np.mean(sel))
+    return out
+
+
+def eval_items(args, model, prompts):
+    """The evaluation prompts: --prompts if given, else a fixed sample of held-out shapes prompts."""
+    if args.prompts is not None or not prompts.text_conditioned:
+        return prompts.items
+    heldout = shapes.all_prompts("heldout")
+    rng = np.random.default_rng([args.seed, 8])
+    return [heldout[i] for i in rng.permutation(len(heldout))[:args.eval_prompts]]
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    ctx = Ctx(args)
+    grpo_config(args)  # fail on contradictory flags before any work
+    if ctx.master:
+        os.makedirs(args.out, exist_ok=True)
+    if args.wandb and ctx.master:
+        import wandb
+        wandb.init(project="mar-grpo", config=vars(args))
+
+    if args.eval_only:
+        if args.init is None:
+            raise ValueError("--eval-only needs --init CKPT")
+        model = load_policy(args, args.init).to(ctx.device)
+        prompts = Prompts(model, args.prompts)
+        reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
+        codec = make_codec(args, model)
+        summary = evaluate(args, ctx, model, codec, eval_items(args, model, prompts), prompts, reward_fn, args.out, "eval")
+        ctx.print0(json.dumps(summary, indent=1))
+        ctx.print0(f"results: {os.path.join(args.out, 'results.jsonl')}")
+        return summary
+
+    init = args.init
+    if args.stage in ("pretrain", "all") and init is None:
+        cached = os.path.join(args.out, "base.pt")
+        if os.path.exists(cached) and args.stage == "all":
+            ctx.print0(f"reusing the cached base model {cached}")
+            init = cached
+        else:
+            init = pretrain(args, ctx)
+    if args.stage == "pretrain":
+        return None
+    if init is None:
+        raise ValueError("--stage grpo needs --init CKPT")
+    base = load_policy(args, init)  # a missing, corrupt or mismatched --init fails here, before any work
+    codec = make_codec(args, base)
+    final = grpo_train(args, ctx, init, codec)
+
+    if args.stage == "all" and args.eval_prompts > 0:
+        # --- held-out evaluation of the base and the tuned model on the same prompts and seeds
+        reward_fn = rewards.build_reward(args.reward, device=ctx.device,
+                                         weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
+        base = base.to(ctx.device)
+        prompts = Prompts(base, args.prompts)
+        items = eval_items(args, base, prompts)
+        before = evaluate(args, ctx, base, codec, items, prompts, reward_fn, os.path.join(args.out, "eval", "base"), "base")
+        tuned = load_policy(args, final).to(ctx.device)
+        after = evaluate(args, ctx, tuned, codec, items, prompts, reward_fn, os.path.join(args.out, "eval", "tuned"), "tuned")
+        if ctx.master:
+            report = {"base": before, "tuned": after}
+            with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
+                json.dump(report, f, indent=1)
+            print_report(args, before, after)
+        return {"base": before, "tuned": after}
+    return None
+
+
+def print_report(args, before, after):
+    keys = [k for k in before if k.startswith("accuracy") or k == "reward_mean"]
+    print(f"\nheld-out evaluation ({before['n']} images, prompts never seen in pretraining or RL):")
+    print(f"  {'metric':<26}{'base':>8}{'tuned':>8}")
+    for k in keys:
+        print(f"  {k:<26}{before[k]:>8.3f}{after.get(k, float('nan')):>8.3f}")
+    print(f"\nfiles: {args.out}/ (metrics.jsonl, curves.png, samples/, ckpt/, eval/)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
