@@ -183,7 +183,7 @@ def compare_with_official(official_dir, out=print, repeats=3, base_repeats=2, th
     official = import_official(official_dir)
     default_threads = torch.get_num_threads()
     rows, checks = [], {}
-    out(f"sample_tokens, ours vs. official LTH14/mar (fp32, eval, no_grad); median of timed calls after a warm-up")
+    out("sample_tokens, ours vs. official LTH14/mar (fp32, eval, no_grad); median of timed calls after a warm-up")
     out(f"{'setting':<9} {'thr':>3} {'official s':>10} {'ours s':>8} {'official tok/s':>14} {'ours tok/s':>10} "
         f"{'official img/s':>14} {'ours img/s':>10} {'off/ours':>8}")
     try:
@@ -232,6 +232,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.repeats < 1 or args.base_repeats < 1:
         parser.error("--repeats and --base-repeats must be at least 1")
-    compare_with_official(args.official_dir, repeats=args.repeats, base_repeats=args.base_repeats,
-                          threads=tuple(args.threads) if args.threads else (None,),
-                          settings=tuple(args.settings), seed=args.seed)
+    try:
+        compare_with_official(args.official_dir, repeats=args.repeats, base_repeats=args.base_repeats,
+                              threads=tuple(args.threads) if args.threads else (None,),
+                              settings=tuple(args.settings), seed=args.seed)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")

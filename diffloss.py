@@ -30,6 +30,10 @@ Where this file departs from what one might expect:
    net sees the original timestep t_k ∈ [0, 999], as in the official `_WrappedModel`.
 5. RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
    ill-conditioned in float32 for its log-probability to be recomputed (see there).
+6. `clip_denoised` (off by default, as official) clamps x̂0 to [-1, 1]. At the pure-noise step
+   μ ≈ (x^t − ε̂)/√α with 1/√α ≈ 1300 (T = 25), so a head whose ε̂ is off by 0.04 there, as a
+   briefly trained one is, samples tokens of size ~800; official MAR heads are trained long enough
+   for this not to matter. Pixel tokens have a known range, so the small models clamp.
 """
 
 import math
@@ -155,7 +159,8 @@ class SimpleMLPAdaLN(nn.Module):
 
     def forward(self, x, t, c):
         x = self.input_proj(x)
-        y = self.time_embed(t) + self.cond_embed(c)  # (N, W)
+        t_unique, inverse = torch.unique(t, return_inverse=True)  # sampling: one t for all rows
+        y = self.time_embed(t_unique)[inverse] + self.cond_embed(c)  # (N, W); the time MLP once per t
         for block in self.res_blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, y, use_reentrant=False)
@@ -225,11 +230,14 @@ class GaussianSchedule(nn.Module):
         mean = self.posterior_mean_coef1[k, None] * x0 + self.posterior_mean_coef2[k, None] * x_t
         return mean, self.posterior_log_variance_clipped[k, None].expand_as(x_t)
 
-    def p_mean_variance(self, eps, v, x_t, k):
-        """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,)."""
+    def p_mean_variance(self, eps, v, x_t, k, clip_denoised=False):
+        """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,).
+        clip_denoised clamps x̂0 to [-1, 1] before it enters the mean (for pixel tokens)."""
         frac = (v + 1) / 2
         log_variance = frac * self.log_betas[k, None] + (1 - frac) * self.posterior_log_variance_clipped[k, None]
         pred_x0 = self.sqrt_recip_alphas_cumprod[k, None] * x_t - self.sqrt_recipm1_alphas_cumprod[k, None] * eps
+        if clip_denoised:
+            pred_x0 = pred_x0.clamp(-1, 1)
         mean, _ = self.q_posterior(pred_x0, x_t, k)
         return mean, log_variance, pred_x0
 
@@ -289,12 +297,16 @@ class DiffLoss(nn.Module):
     """Diffusion head: training loss, guided posterior mean/variance, and ancestral sampling.
 
     target_channels: C, the token size; z_channels: D; depth/width: the MLP's residual blocks
-    and width; num_sampling_steps: T (int or the official string, e.g. "100").
+    and width; num_sampling_steps: T (int or the official string, e.g. "100");
+    clip_denoised: clamp x̂0 to [-1, 1] when sampling (False, as official, for VAE latents; True
+    for pixel tokens, whose range is known: see the module docstring, item 6).
     """
 
-    def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False):
+    def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False,
+                 clip_denoised=False):
         super().__init__()
         self.in_channels = target_channels
+        self.clip_denoised = clip_denoised
         self.net = SimpleMLPAdaLN(
             in_channels=target_channels,
             model_channels=width,
@@ -357,7 +369,7 @@ class DiffLoss(nn.Module):
             w = torch.as_tensor(cfg, dtype=x_t.dtype, device=x_t.device).reshape(-1, 1)
             eps_null = out[n:, :c]
             eps = eps_null + w * (eps - eps_null)
-        return sched.p_mean_variance(eps, v, x_t, k)
+        return sched.p_mean_variance(eps, v, x_t, k, self.clip_denoised)
 
     @torch.no_grad()
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):

@@ -68,7 +68,8 @@ class MAR(nn.Module):
     """Masked autoregressive model with a diffusion head (official arguments and defaults).
 
     Extra arguments beyond the official ones:
-        text_vocab_size: if > 0, a word-embedding table for prompt conditioning (`text_emb`).
+        text_vocab_size: if > 0, a word-embedding table for prompt conditioning (`text_emb`);
+        clip_denoised: the head clamps x̂0 to [-1, 1] when sampling (pixel tokens; diffloss.py).
     """
 
     def __init__(self, img_size=256, vae_stride=16, patch_size=1,
@@ -78,7 +79,7 @@ class MAR(nn.Module):
                  vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
                  attn_dropout=0.1, proj_dropout=0.1, buffer_size=64,
                  diffloss_d=3, diffloss_w=1024, num_sampling_steps='100', diffusion_batch_mul=4,
-                 grad_checkpointing=False, text_vocab_size=0):
+                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False):
         super().__init__()
         norm_eps = norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
@@ -90,7 +91,7 @@ class MAR(nn.Module):
             label_drop_prob=label_drop_prob, class_num=class_num, attn_dropout=attn_dropout,
             proj_dropout=proj_dropout, buffer_size=buffer_size, diffloss_d=diffloss_d, diffloss_w=diffloss_w,
             num_sampling_steps=str(num_sampling_steps), diffusion_batch_mul=diffusion_batch_mul,
-            grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size)
+            grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised)
 
         # tokens
         self.vae_embed_dim = vae_embed_dim
@@ -136,7 +137,7 @@ class MAR(nn.Module):
         # diffusion head
         self.diffloss = DiffLoss(target_channels=self.token_embed_dim, z_channels=decoder_embed_dim,
                                  width=diffloss_w, depth=diffloss_d, num_sampling_steps=num_sampling_steps,
-                                 grad_checkpointing=grad_checkpointing)
+                                 grad_checkpointing=grad_checkpointing, clip_denoised=clip_denoised)
         self.diffusion_batch_mul = diffusion_batch_mul
 
     def initialize_weights(self):

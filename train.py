@@ -12,6 +12,14 @@ Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL 
 held-out evaluation of base and tuned models). The single-process path is the distributed path:
 DDP is used when torchrun sets RANK; rank 0 alone logs and writes. Every random draw of a step is
 seeded by (seed, step, rank), so a resumed run continues exactly as an uninterrupted one.
+
+When things go wrong (README, "When things go wrong"): flags and files are checked, and models,
+rewards and prompts loaded, before anything is written (`check_inputs`); a bad one is one line
+`error: ...` and exit status 2. A non-finite reward, advantage, loss or gradient skips that update
+and is counted; `--max-bad-steps` of them in a row stop the run (exit status 1). Checkpoints are
+written to a temporary file and renamed, so a crash never leaves a half-written one; `--resume`
+takes the newest readable one, and a torchrun relaunch after a failure resumes by itself (run
+torchrun --max-restarts with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: pytorch/pytorch#135712).
 """
 
 import argparse
@@ -20,8 +28,11 @@ import copy
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import time
+import traceback
 from dataclasses import fields
 
 import numpy as np
@@ -45,7 +56,7 @@ import shapes
 
 DEFAULTS = dict(
     # run
-    preset="demo", stage="all", out=None, init=None, resume=False, eval_only=False, seed=0,
+    preset="demo", stage="all", out=None, init=None, resume="no", eval_only=False, seed=0,
     device="auto", threads=0, wandb=False,
     # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
     # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
@@ -85,7 +96,10 @@ PRESETS = {
 HELP = dict(
     preset="named group of defaults: demo (default), smoke, mar_base", stage="pretrain | grpo | all",
     out="output folder (default runs/<preset>)", init="base checkpoint: ours or an official MAR .pth",
-    resume="continue from the latest checkpoint in --out", eval_only="generate for --prompts and score, then exit",
+    resume="continue from the newest readable checkpoint in --out/ckpt: --resume (one must exist), --resume auto "
+           "(if one exists; a torchrun relaunch after a failure does this by itself), or no (default: a fresh run, "
+           "which replaces a previous run's checkpoints and metrics in --out)",
+    eval_only="generate for --prompts and score, then exit",
     seed="global seed; every step's randomness derives from (seed, step, rank)", device="auto | cpu | cuda",
     threads="torch CPU threads (0: torch's default)", wandb="also log to Weights & Biases (if installed)",
     model="small | mar_base | mar_large | mar_huge", img_size="image size in pixels (small model)",
@@ -112,31 +126,55 @@ HELP = dict(
     prompts="prompt file, one per line (shapes prompts, or class indices for official models)",
     split="shapes prompts to train on: train | all", eval_prompts="held-out prompts to evaluate (0 = skip)",
     eval_images_per_prompt="images per evaluated prompt", sample_every="write a sample grid every N steps",
-    save_every="checkpoint every N steps", keep_last="checkpoints kept", max_bad_steps="consecutive non-finite steps before stopping",
+    save_every="checkpoint every N steps", keep_last="checkpoints kept (0 = all)",
+    max_bad_steps="consecutive non-finite steps (skipped updates) before the run stops",
 )
+
+# flags with a fixed set of values; anything else is refused when the flags are parsed
+CHOICES = dict(
+    stage=["pretrain", "grpo", "all"], model=["small", "mar_base", "mar_large", "mar_huge"], device=["auto", "cpu", "cuda"],
+    cfg_schedule=["linear", "constant"], method=list(grpo.PRESETS), kl=list(grpo.KL_KINDS), split=["train", "all"],
+    resume=["no", "yes", "auto"],
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a one-line ValueError (reported by `cli`), not the usage block."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def flag(name):
+    """The command-line flag of an args field: "max_bad_steps" -> "--max-bad-steps"."""
+    return "--" + name.replace("_", "-")
 
 
 def parse_args(argv=None):
     """Flags over preset over DEFAULTS. Returns an argparse.Namespace."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(add_help=False)
     pre.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     preset = pre.parse_known_args(argv)[0].preset
     defaults = {**DEFAULTS, **PRESETS[preset], "preset": preset}
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in defaults.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            p.add_argument(flag, action="store_true", default=value, help=HELP[name])
+        kw = dict(default=value, help=HELP[name], choices=CHOICES.get(name))
+        if name == "resume":  # "--resume" alone means "yes"
+            p.add_argument(flag(name), nargs="?", const="yes", **kw)
+        elif isinstance(value, bool):
+            p.add_argument(flag(name), action="store_true", default=value, help=HELP[name])
         elif isinstance(value, list):
-            p.add_argument(flag, action="append", default=list(value), help=HELP[name])
+            p.add_argument(flag(name), action="append", default=list(value), help=HELP[name])
         elif name in ("beta", "clip_eps", "top_k"):
-            p.add_argument(flag, type=float, default=value, help=HELP[name])
+            p.add_argument(flag(name), type=float, **kw)
         elif name in ("mte_seeds", "inner_epochs"):
-            p.add_argument(flag, type=int, default=value, help=HELP[name])
+            p.add_argument(flag(name), type=int, **kw)
         else:
-            p.add_argument(flag, type=type(value) if value is not None else str, default=value, help=HELP[name])
+            p.add_argument(flag(name), type=type(value) if value is not None else str, **kw)
     args = p.parse_args(argv)
     args.out = args.out or os.path.join("runs", preset)
+    if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        args.resume = "auto"  # torchrun relaunched the job after a failure: continue, do not start over
     return args
 
 
@@ -159,6 +197,83 @@ def grpo_config(args):
     return cfg.validate()
 
 
+def check_inputs(args, world):
+    """Every flag and file that can be checked without loading a model, before any work: a bad one
+    raises a one-line ValueError / FileNotFoundError / PermissionError naming it. Reads, never
+    writes. The contents of --init, --vae, --reward-ckpt and the prompts of a loaded model are
+    checked next, by loading them (main), still before the first write. Returns the GRPO config.
+
+    world: the number of processes (ranks) the run is spread over.
+    """
+    cfg = grpo_config(args)  # --method and its component flags (e.g. MTE with S < 2)
+    for name in ("steps", "num_iter", "save_every", "sample_every", "max_bad_steps", "prompts_per_step",
+                 "pretrain_batch", "train_ar_steps", "train_diff_steps", "eval_images_per_prompt"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{flag(name)} {getattr(args, name)}: must be >= 1")
+    for name in ("keep_last", "pretrain_steps", "eval_prompts", "threads"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{flag(name)} {getattr(args, name)}: must be >= 0")
+    if args.num_sampling_steps < 3:
+        raise ValueError(f"--num-sampling-steps {args.num_sampling_steps}: must be >= 3 (RL trains steps 1 … T-2)")
+    if args.group_size < 2:
+        raise ValueError(f"--group-size {args.group_size}: GRPO needs at least 2 images per prompt")
+    if args.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} "
+                         "(each prompt's group is generated on one rank)")
+
+    # --- what runs: pretraining happens unless a base model is given or cached
+    if args.stage == "pretrain" and args.init is not None:
+        raise ValueError("--stage pretrain trains a base model from scratch: drop --init (or use --stage grpo)")
+    if (args.eval_only or args.stage == "grpo") and args.init is None:
+        raise ValueError(f"{'--eval-only' if args.eval_only else '--stage grpo'} needs --init CKPT")
+    if will_pretrain(args) and args.pretrain_batch % world:
+        raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {world}")
+    if will_pretrain(args) and args.model != "small":
+        raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
+
+    # --- files: they must exist now (their contents are checked when they are loaded)
+    for name in ("init", "prompts", "vae"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag(name)}: no such file: {path}")
+    if args.model != "small" and args.vae is None:
+        raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
+    if args.prompts is not None and args.init is None:  # the model will be a shapes model: parse now
+        read_prompt_file(args.prompts, text_conditioned=True, num_classes=0)
+    if args.stage != "pretrain" or args.eval_only:
+        reward_names = [name for name, _ in rewards.parse_reward_spec(args.reward)]  # unknown names fail here
+        rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
+        if "shapes" in reward_names and args.model != "small":
+            raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} takes ImageNet "
+                             "class prompts: choose another --reward")
+
+    # --- the output folder: resumable when --resume asks for it, writable in any case
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    if args.resume == "yes" and not checkpoint_names(ckpt_dir):
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (use --resume auto to start fresh if none)")
+    check_writable(args.out, "--out")
+    return cfg
+
+
+def will_pretrain(args):
+    """True when this run trains the base model itself (no --init, no cached <out>/base.pt)."""
+    if args.eval_only or args.init is not None:
+        return False
+    return args.stage == "pretrain" or (args.stage == "all" and not os.path.exists(os.path.join(args.out, "base.pt")))
+
+
+def check_writable(path, name):
+    """Raise a one-line error naming flag `name` unless `path` is a writable folder or can be created
+    as one. Creates nothing."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):  # the nearest existing ancestor will hold the new folders
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"{name} {path}: {p} is a file, not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise PermissionError(f"{name} {path}: {p} is not writable")
+
+
 # -----------------------------------------------------------------------------
 # Distributed setup and rank-0 I/O
 
@@ -166,6 +281,8 @@ class Ctx:
     """Process-wide facts: rank, world size, device, whether this is the master process."""
 
     def __init__(self, args):
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
         self.ddp = int(os.environ.get("RANK", -1)) != -1
         want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if self.ddp:
@@ -208,13 +325,80 @@ def seeded(*parts):
     return torch.Generator().manual_seed(int(np.random.SeedSequence(list(parts)).generate_state(1)[0]))
 
 
+def all_finite(ctx, *values):
+    """True on every rank iff every value (tensors, floats, lists of floats) is finite on every rank.
+    Every rank must call it: one all-reduce, one sync with the GPU."""
+    ok = torch.stack([torch.isfinite(torch.as_tensor(v, dtype=torch.float32, device=ctx.device)).all() for v in values])
+    ok = ok.all().float()
+    if ctx.ddp:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)  # syncs with the GPU
+
+
+class Stop(RuntimeError):
+    """The run stops on purpose (repeated non-finite steps, a failing reward): `cli` prints the
+    reason as one line, after the traceback of the code that caused it, and exits with status 1."""
+
+
+# -----------------------------------------------------------------------------
+# Checkpoint files: written atomically, found by name, pruned
+
 def atomic_save(obj, path):
-    """torch.save to a temporary file in the same folder, then rename: never a half-written file."""
+    """torch.save to a temporary file in the same folder, then rename: never a half-written file.
+    A write killed by SIGKILL leaves only the temporary file, which `prune_checkpoints` removes."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    if os.environ.get("MARGRPO_TEST_SLOW_SAVE"):  # test hook: widen the window for a kill
-        time.sleep(float(os.environ["MARGRPO_TEST_SLOW_SAVE"]))
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        if os.environ.get("MARGRPO_TEST_SLOW_SAVE"):  # test hook: widen the window for a kill
+            time.sleep(float(os.environ["MARGRPO_TEST_SLOW_SAVE"]))
+        os.replace(tmp, path)
+    except BaseException:  # an error or Ctrl-C mid-write: leave no temporary file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def atomic_link(src, dst):
+    """Make `dst` name the same file as `src` (a hard link; a copy where the filesystem has none),
+    atomically: `dst` is always either the old file or the new one."""
+    tmp = f"{dst}.tmp.{os.getpid()}"
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def checkpoint_names(ckpt_dir):
+    """The step_XXXXXX.pt files of ckpt_dir, oldest first (none if the folder does not exist)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_") and f.endswith(".pt"))
+
+
+def prune_checkpoints(ckpt_dir, keep_last):
+    """Delete all but the newest `keep_last` step files (0 keeps all) and any temporary file a
+    killed write left behind (rank 0, while no write is in flight)."""
+    old = checkpoint_names(ckpt_dir)[:-keep_last] if keep_last > 0 else []
+    stray = [f for f in os.listdir(ckpt_dir) if ".tmp." in f]
+    for name in old + stray:
+        os.remove(os.path.join(ckpt_dir, name))
+
+
+# -----------------------------------------------------------------------------
+# Test hooks: environment variables that only the tests set, to inject faults
+
+def hook_steps(name):
+    """The steps listed in environment variable `name` (e.g. MARGRPO_TEST_NAN_REWARD_STEPS="1,2")."""
+    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
+
+
+def hook_kill(step, ctx):
+    """MARGRPO_TEST_KILL_AT_STEP=N: the last rank SIGKILLs itself as step N starts, on the first
+    launch only (torchrun's relaunch then runs normally)."""
+    if (os.environ.get("MARGRPO_TEST_KILL_AT_STEP") == str(step) and ctx.rank == ctx.world - 1
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -----------------------------------------------------------------------------
@@ -227,7 +411,7 @@ def small_mar_config(args):
                 mlp_ratio=4.0, norm_eps=1e-6, class_num=1, buffer_size=shapes.MAX_PROMPT_TOKENS,
                 diffloss_d=args.head_depth, diffloss_w=args.head_width,
                 num_sampling_steps=str(args.num_sampling_steps), attn_dropout=0.0, proj_dropout=0.0,
-                diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB))
+                diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB), clip_denoised=True)
 
 
 def load_policy(args, path):
@@ -289,7 +473,11 @@ def read_prompt_file(path, text_conditioned, num_classes):
     """Prompt lines: shapes prompts (parsed, so a typo fails now) or class indices."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prompts: no such file: {path}")
-    lines = [(i + 1, line.strip()) for i, line in enumerate(open(path, encoding="utf-8")) if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(i + 1, line.strip()) for i, line in enumerate(f) if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {path}: not a UTF-8 text file") from None
     if not lines:
         raise ValueError(f"--prompts {path}: the file has no prompts")
     items = []
@@ -305,6 +493,23 @@ def read_prompt_file(path, text_conditioned, num_classes):
                 raise ValueError(f"--prompts {path}:{no}: expected a class index in 0 … {num_classes - 1}, got {line!r}")
             items.append(int(head))
     return items
+
+
+def make_reward(args, ctx):
+    """The --reward spec with its --reward-ckpt weights; missing or mismatched weights fail here."""
+    return rewards.build_reward(args.reward, device=ctx.device, weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
+
+
+def score(reward_fn, spec, images, texts, metas):
+    """reward_fn(images, texts, metas); a reward that raises stops the run (Stop) with the reward's
+    name and the batch's prompts, its own traceback kept as the cause."""
+    try:
+        return reward_fn(images, texts, metas)
+    except Exception as e:
+        unique = list(dict.fromkeys(texts))
+        shown = unique[:8] + ([f"... {len(unique)} prompts in all"] if len(unique) > 8 else [])
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise Stop(f"--reward {spec!r} failed on the prompts {shown}: {type(e).__name__}: {reason}") from e
 
 
 # -----------------------------------------------------------------------------
@@ -352,10 +557,10 @@ def plot_curves(metrics_path, out_path):
 # Stage 1: pretrain a small MAR on the shapes world (the demo's base model)
 
 def pretrain(args, ctx):
-    """MAE-style diffusion-loss training with EMA; writes <out>/base.pt (the EMA weights)."""
-    if args.pretrain_batch % ctx.world:
-        raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {ctx.world}")
-    local_batch = args.pretrain_batch // ctx.world
+    """MAE-style diffusion-loss training with EMA; writes <out>/base.pt (the EMA weights). A step
+    with a non-finite loss or gradient changes nothing (no optimizer step, no EMA update);
+    --max-bad-steps of them in a row stop the run before base.pt is written."""
+    local_batch = args.pretrain_batch // ctx.world  # divisibility: check_inputs
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = mar.build_mar(small_mar_config(args)).to(ctx.device)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
@@ -366,6 +571,8 @@ def pretrain(args, ctx):
     codec = mar.PixelCodec()
     ctx.print0(f"pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter MAR "
                f"for {args.pretrain_steps} steps of {args.pretrain_batch} images")
+    nan_steps = hook_steps("MARGRPO_TEST_NAN_LOSS_STEPS")  # test hook: these steps' loss is NaN
+    bad_steps = bad_total = 0
     for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
         # --- data: fresh renders of train-split prompts, a different slice on every rank
         rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
@@ -379,9 +586,20 @@ def pretrain(args, ctx):
             group["lr"] = lr
         with ctx.autocast():
             loss = net(x, prompt_ids=ids, generator=seeded(args.seed, 2, step, ctx.rank))
+        if step in nan_steps:
+            loss = loss * float("nan")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not all_finite(ctx, loss, grad_norm):  # skip: no optimizer step, no EMA update
+            bad_steps, bad_total = bad_steps + 1, bad_total + 1
+            if ctx.master:
+                tqdm.write(f"pretrain step {step}: non-finite loss or gradient; update skipped ({bad_steps} in a row)")
+            if bad_steps >= args.max_bad_steps:
+                raise Stop(f"pretraining: {bad_steps} non-finite steps in a row (--max-bad-steps {args.max_bad_steps}); "
+                           "stopped before writing base.pt")
+            continue
+        bad_steps = 0
         opt.step()
         with torch.no_grad():  # EMA with a short warm-up
             decay = min(args.ema, (1 + step) / (10 + step))
@@ -395,7 +613,7 @@ def pretrain(args, ctx):
     if ctx.master:
         os.makedirs(args.out, exist_ok=True)
         atomic_save({"model": ema.state_dict(), "config": ema.config, "args": vars(args), "stage": "pretrain"}, path)
-        ctx.print0(f"base model: {path}")
+        ctx.print0(f"base model: {path}" + (f" ({bad_total} non-finite steps skipped)" if bad_total else ""))
     ctx.barrier()
     return path
 
@@ -416,7 +634,8 @@ class PolicyLoss(nn.Module):
 
 def backward_rollout(loss_module, ddp, ref, record, condition, adv, cfg, seeds, uncertain, olds):
     """Backward through every trained AR step, one at a time (each graph is freed before the
-    next); DDP's all-reduce happens once, on the last. Returns (stats list, olds)."""
+    next); DDP's all-reduce happens once, on the last. Returns (stats list, olds); each stats dict
+    has the step's "loss"."""
     steps = record["steps"]
     stats, new_olds = [], []
     for j in range(len(steps)):
@@ -424,30 +643,25 @@ def backward_rollout(loss_module, ddp, ref, record, condition, adv, cfg, seeds, 
         with contextlib.nullcontext() if sync else loss_module.no_sync():
             loss, s, old = loss_module(ref, record, j, condition, adv, cfg, seeds, uncertain, olds[j])
             (loss / len(steps)).backward()
-        stats.append(s)
+        stats.append({**s, "loss": loss.item()})  # .item() syncs with the GPU
         new_olds.append(old)
     return stats, new_olds
 
 
-def grpo_train(args, ctx, init_path, codec):
-    """RL from `init_path`; checkpoints, samples and metrics under args.out. Returns the final
-    checkpoint path."""
-    cfg = grpo_config(args)
-    if args.prompts_per_step % ctx.world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {ctx.world} "
-                         "(each prompt's group is generated on one rank)")
-    local_prompts = args.prompts_per_step // ctx.world
-    if args.group_size < 2:
-        raise ValueError(f"--group-size {args.group_size}: GRPO needs at least 2 images per prompt")
+def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
+    """RL from the base policy `base` (a MAR on ctx.device; it stays frozen as the reference of the
+    KL); checkpoints, samples and metrics under args.out. Returns the final checkpoint path.
 
-    model = load_policy(args, init_path).to(ctx.device)
-    ref = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen reference of the KL (from --init)
+    cfg: grpo.GRPOConfig; codec: latents <-> images; prompts: Prompts; reward_fn: a rewards.Reward.
+    A step whose reward, advantage, loss or gradient is not finite on some rank changes nothing (no
+    optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
+    """
+    local_prompts = args.prompts_per_step // ctx.world  # divisibility: check_inputs
+    ref = base  # the frozen reference of the KL
+    model = copy.deepcopy(base).requires_grad_(True)
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
     model.diffloss.requires_grad_(cfg.train_head)
-    prompts = Prompts(model, args.prompts, args.split)
     (model.class_emb if prompts.text_conditioned else getattr(model, "text_emb", nn.Identity())).requires_grad_(False)
-    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=weights)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     loss_module = PolicyLoss(model)
@@ -455,24 +669,22 @@ def grpo_train(args, ctx, init_path, codec):
         loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
     ckpt_dir = os.path.join(args.out, "ckpt")
-    start, bad_steps = 0, 0
-    if args.resume:
-        start = resume_from(ckpt_dir, model, opt)
-        ctx.print0(f"resumed from step {start}")
-    if ctx.master:
-        os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-        os.makedirs(ckpt_dir, exist_ok=True)
-        with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump({**vars(args), "grpo": vars(cfg), "world_size": ctx.world}, f, indent=1)
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if ctx.master and start == 0 and os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    start, bad_total = 0, 0
+    if args.resume != "no":
+        resumed = resume_from(ckpt_dir, model, opt, ctx, required=args.resume == "yes")
+        if resumed is not None:
+            start, bad_total = resumed
+            ctx.print0(f"resumed from step {start}")
+    metrics_path = prepare_out(args, ctx, cfg, start)  # the stage's first write
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
                f"world size {ctx.world}; {cfg}")
+    nan_steps = hook_steps("MARGRPO_TEST_NAN_REWARD_STEPS")  # test hook: a NaN reward at these steps
 
     G, B = args.group_size, local_prompts * args.group_size
+    bad_steps = 0  # non-finite steps in a row
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start, total=args.steps):
         last_step = step == args.steps - 1
+        hook_kill(step, ctx)
         t0 = time.time()
         # --- rollout: this rank's prompts, G images each, recording the chosen steps
         items = prompts.sample(args.prompts_per_step, args.seed, step)[ctx.rank * local_prompts:(ctx.rank + 1) * local_prompts]
@@ -491,11 +703,10 @@ def grpo_train(args, ctx, init_path, codec):
 
         # --- reward and advantages
         t1 = time.time()
-        try:
-            scores, info = reward_fn(images, prompts.texts(items), prompts.metas(items))
-        except Exception as e:
-            raise RuntimeError(f"reward {args.reward!r} failed on prompts {prompts.texts(items)[::G]}: "
-                               f"{type(e).__name__}: {e}") from e
+        scores, info = score(reward_fn, args.reward, images, prompts.texts(items), prompts.metas(items))
+        if step in nan_steps:
+            scores = scores.clone()
+            scores[0] = float("nan")
         scores = scores.to(ctx.device)
         adv = grpo.group_advantages(scores, G)
         t_reward = time.time() - t1
@@ -509,7 +720,8 @@ def grpo_train(args, ctx, init_path, codec):
                                             seeded(args.seed, 5, step, ctx.rank))
             uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), cfg.top_k)
 
-        # --- policy update: E inner epochs, one backward per trained AR step
+        # --- policy update: E inner epochs, one backward per trained AR step; anything non-finite
+        #     on any rank skips the optimizer step on every rank
         olds = [None] * len(record["steps"])
         skipped = False
         for epoch in range(cfg.inner_epochs):
@@ -517,29 +729,24 @@ def grpo_train(args, ctx, init_path, codec):
                 step_stats, olds = backward_rollout(loss_module, ctx.ddp, ref, record, condition, adv, cfg,
                                                     seeds, uncertain, olds)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            finite = torch.isfinite(grad_norm) & torch.isfinite(scores).all()
-            if ctx.ddp:  # every rank must agree to skip
-                flag = finite.float().to(ctx.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                finite = flag > 0
-            if bool(finite):  # syncs with the GPU
+            if all_finite(ctx, scores, adv, [s["loss"] for s in step_stats], grad_norm):
                 opt.step()
             else:
                 skipped = True
             opt.zero_grad(set_to_none=True)
         t_update = time.time() - t2
         bad_steps = bad_steps + 1 if skipped else 0
+        bad_total += skipped
 
         # --- logging: scalars are averaged over ranks before rank 0 writes them
         local = dict(reward_mean=scores.mean().item(), reward_std=scores.std().item() if len(scores) > 1 else 0.0,
                      adv_abs_mean=adv.abs().mean().item(), adv_max=adv.max().item(), grad_norm=float(grad_norm),
-                     diversity=group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
-                     skipped=float(skipped))
+                     diversity=group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update)
         for key in step_stats[0]:
             local[key] = float(np.mean([s.get(key, 0.0) for s in step_stats]))
         for name, value in info.get("means", {}).items():
             local[f"reward/{name}"] = value
-        row = {"step": step, **ctx.mean(local)}
+        row = {"step": step, **ctx.mean(local), "skipped": int(skipped), "bad_steps_total": bad_total}
         if ctx.master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -547,17 +754,20 @@ def grpo_train(args, ctx, init_path, codec):
                 import wandb
                 wandb.log(row, step=step)
         if skipped:
-            ctx.print0(f"step {step}: non-finite reward, loss or gradient; update skipped ({bad_steps} in a row)")
+            ctx.print0(f"step {step}: non-finite reward, advantage, loss or gradient; update skipped "
+                       f"({bad_steps} in a row, {bad_total} in all)")
             if bad_steps >= args.max_bad_steps:
-                raise RuntimeError(f"{bad_steps} consecutive non-finite steps (--max-bad-steps {args.max_bad_steps}); "
-                                   f"stopping; the last good checkpoint is in {ckpt_dir}")
+                names = checkpoint_names(ckpt_dir)
+                last = os.path.join(ckpt_dir, names[-1]) if names else "none yet (the policy is still --init)"
+                raise Stop(f"{bad_steps} non-finite steps in a row (--max-bad-steps {args.max_bad_steps}); "
+                           f"the last good checkpoint: {last}")
 
         # --- once in a while: a sample grid, a checkpoint
         if ctx.master and (step % args.sample_every == 0 or last_step):
             save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(prompts.texts(items), scores.tolist())][:16],
                       os.path.join(args.out, "samples", f"step_{step:06d}.png"))
         if (step + 1) % args.save_every == 0 or last_step:
-            save_checkpoint(ckpt_dir, step + 1, model, opt, args, cfg, ctx)
+            save_checkpoint(ckpt_dir, step + 1, model, opt, args, cfg, ctx, bad_total)
     if ctx.master and os.path.exists(metrics_path):
         plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
     return os.path.join(ckpt_dir, "latest.pt")
@@ -570,41 +780,82 @@ def group_diversity(images, G):
     return (d.sum() / (d.shape[0] * G * (G - 1))).item()
 
 
-def save_checkpoint(ckpt_dir, step, model, opt, args, cfg, ctx):
+def prepare_out(args, ctx, cfg, start):
+    """The GRPO stage's first writes (rank 0): folders and config.json. A fresh run (start 0)
+    removes the previous run's checkpoints and metrics from --out; a resumed one keeps the metrics
+    rows of the steps before `start` (the others will be redone). Returns the metrics path."""
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if ctx.master:
+        os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
+        os.makedirs(ckpt_dir, exist_ok=True)
+        if start == 0:
+            old = [os.path.join(ckpt_dir, f) for f in checkpoint_names(ckpt_dir) + ["latest.pt"]] + [metrics_path]
+            old = [path for path in old if os.path.exists(path)]
+            if old:
+                print(f"a fresh run in {args.out}: removing the previous run's checkpoints and metrics "
+                      "(--resume continues a run instead)", flush=True)
+            for path in old:
+                os.remove(path)
+        elif os.path.exists(metrics_path):
+            keep = []
+            for line in open(metrics_path):
+                with contextlib.suppress(ValueError):  # a line cut short by a crash is dropped
+                    if json.loads(line)["step"] < start:
+                        keep.append(line)
+            with open(metrics_path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(metrics_path + ".tmp", metrics_path)
+        prune_checkpoints(ckpt_dir, args.keep_last)  # also the temporary file of a killed write
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump({**vars(args), "grpo": vars(cfg), "world_size": ctx.world}, f, indent=1)
+    ctx.barrier()
+    return metrics_path
+
+
+def save_checkpoint(ckpt_dir, step, model, opt, args, cfg, ctx, bad_total):
     """Policy, optimizer and step as plain dicts (weights_only=True loads them), written
-    atomically by rank 0; older ones beyond --keep-last are pruned. The reference policy is
-    rebuilt from --init, not stored. Every step's randomness derives from (seed, step, rank), so
-    the step is the sampler position and the only RNG state needed to continue identically."""
+    atomically by rank 0 as step_XXXXXX.pt, with latest.pt naming the same file; step files
+    beyond --keep-last are pruned. The reference policy is rebuilt from --init, not stored. Every
+    step's randomness derives from (seed, step, rank), so the step is the sampler position and the
+    only RNG state needed to continue identically."""
     ctx.barrier()
     if ctx.master:
         state = {"model": model.state_dict(), "config": model.config, "optimizer": opt.state_dict(), "step": step,
-                 "args": vars(args), "grpo": vars(cfg), "torch_rng": torch.get_rng_state()}
+                 "args": vars(args), "grpo": vars(cfg), "torch_rng": torch.get_rng_state(), "bad_steps_total": bad_total}
         path = os.path.join(ckpt_dir, f"step_{step:06d}.pt")
         atomic_save(state, path)
-        atomic_save(state, os.path.join(ckpt_dir, "latest.pt"))
-        kept = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("step_") and f.endswith(".pt"))
-        for old in kept[:-args.keep_last] if args.keep_last > 0 else []:
-            os.remove(os.path.join(ckpt_dir, old))
+        atomic_link(path, os.path.join(ckpt_dir, "latest.pt"))
+        prune_checkpoints(ckpt_dir, args.keep_last)
     ctx.barrier()
 
 
-def resume_from(ckpt_dir, model, opt):
-    """Load the newest readable checkpoint in ckpt_dir into model and optimizer; returns its step."""
-    candidates = sorted((f for f in os.listdir(ckpt_dir) if f.startswith("step_") and f.endswith(".pt")), reverse=True) \
-        if os.path.isdir(ckpt_dir) else []
-    for name in candidates:
+def resume_from(ckpt_dir, model, opt, ctx, required):
+    """Load the newest readable step_*.pt of ckpt_dir into model and optimizer. Unreadable files
+    (atomic writes leave none, but disks and copies fail) are skipped with a warning. Returns
+    (step, non-finite steps so far), or None when there is no readable one and not `required`."""
+    for name in reversed(checkpoint_names(ckpt_dir)):
         path = os.path.join(ckpt_dir, name)
         try:
             state = mar.read_checkpoint(path, "--resume")
+            if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
+                raise ValueError(f"--resume {path}: not a checkpoint of this script (no model, optimizer, step)")
         except ValueError as e:
-            print(f"skipping unreadable checkpoint: {e}", file=sys.stderr)
+            ctx.print0(f"warning: skipping unreadable checkpoint: {e}", file=sys.stderr)
             continue
         mar.check_state_dict(model, state["model"], path, "--resume")
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        return int(state["step"])
-    raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except ValueError as e:
+            raise ValueError(f"--resume {path}: its optimizer state does not fit this run's trained parameters "
+                             f"(another --method or --train-head?): {e}") from None
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        return int(state["step"]), int(state.get("bad_steps_total", 0))
+    if required:
+        raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -629,7 +880,7 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
                                           temperature=args.temperature, generator=seeded(args.seed, 6, b0, ctx.rank),
                                           **prompts.condition(its, ctx.device))
             images = codec.decode(latents.float())
-        scores, info = reward_fn(images, prompts.texts(its), prompts.metas(its))
+        scores, info = score(reward_fn, args.reward, images, prompts.texts(its), prompts.metas(its))
         details = info.get("details", [{}] * len(its))
         for k, ((i, it), img) in enumerate(zip(chunk, images)):
             rows.append(dict(index=i, prompt=prompts.texts([it])[0], reward=float(scores[k]),
@@ -681,50 +932,50 @@ def eval_items(args, model, prompts):
 
 # -----------------------------------------------------------------------------
 
+def load_base(args, ctx, init):
+    """The base policy from `init` (on ctx.device, frozen), its codec and the prompts; a missing,
+    corrupt or mismatched checkpoint, VAE or prompt file fails here, before anything is written."""
+    base = load_policy(args, init).to(ctx.device).requires_grad_(False)
+    codec = make_codec(args, base)
+    prompts = Prompts(base, args.prompts, args.split)
+    return base, codec, prompts
+
+
 def main(argv=None):
+    """The whole run: check the inputs, load what they name, and only then write. Returns the
+    evaluation summary, or None."""
     args = parse_args(argv)
     ctx = Ctx(args)
-    grpo_config(args)  # fail on contradictory flags before any work
-    if ctx.master:
-        os.makedirs(args.out, exist_ok=True)
+    cfg = check_inputs(args, ctx.world)
+
+    # --- load what the run needs; a bad file fails here, and nothing has been written yet
+    reward_fn = make_reward(args, ctx) if args.stage != "pretrain" or args.eval_only else None
+    init = args.init
+    if init is None and args.stage == "all" and not will_pretrain(args):
+        init = os.path.join(args.out, "base.pt")
+        ctx.print0(f"reusing the cached base model {init}")
+    base = codec = prompts = None
+    if init is not None:
+        base, codec, prompts = load_base(args, ctx, init)
     if args.wandb and ctx.master:
         import wandb
         wandb.init(project="mar-grpo", config=vars(args))
 
     if args.eval_only:
-        if args.init is None:
-            raise ValueError("--eval-only needs --init CKPT")
-        model = load_policy(args, args.init).to(ctx.device)
-        prompts = Prompts(model, args.prompts)
-        reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
-        codec = make_codec(args, model)
-        summary = evaluate(args, ctx, model, codec, eval_items(args, model, prompts), prompts, reward_fn, args.out, "eval")
+        summary = evaluate(args, ctx, base, codec, eval_items(args, base, prompts), prompts, reward_fn, args.out, "eval")
         ctx.print0(json.dumps(summary, indent=1))
         ctx.print0(f"results: {os.path.join(args.out, 'results.jsonl')}")
         return summary
 
-    init = args.init
-    if args.stage in ("pretrain", "all") and init is None:
-        cached = os.path.join(args.out, "base.pt")
-        if os.path.exists(cached) and args.stage == "all":
-            ctx.print0(f"reusing the cached base model {cached}")
-            init = cached
-        else:
-            init = pretrain(args, ctx)
-    if args.stage == "pretrain":
-        return None
-    if init is None:
-        raise ValueError("--stage grpo needs --init CKPT")
-    base = load_policy(args, init)  # a missing, corrupt or mismatched --init fails here, before any work
-    codec = make_codec(args, base)
-    final = grpo_train(args, ctx, init, codec)
+    if base is None:  # --stage pretrain, or --stage all without a cached base
+        init = pretrain(args, ctx)
+        if args.stage == "pretrain":
+            return None
+        base, codec, prompts = load_base(args, ctx, init)
+    final = grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn)
 
     if args.stage == "all" and args.eval_prompts > 0:
         # --- held-out evaluation of the base and the tuned model on the same prompts and seeds
-        reward_fn = rewards.build_reward(args.reward, device=ctx.device,
-                                         weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
-        base = base.to(ctx.device)
-        prompts = Prompts(base, args.prompts)
         items = eval_items(args, base, prompts)
         before = evaluate(args, ctx, base, codec, items, prompts, reward_fn, os.path.join(args.out, "eval", "base"), "base")
         tuned = load_policy(args, final).to(ctx.device)
@@ -747,12 +998,27 @@ def print_report(args, before, after):
     print(f"\nfiles: {args.out}/ (metrics.jsonl, curves.png, samples/, ckpt/, eval/)")
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """`python train.py ...`: main(), with failures said in one line on stderr (`error: ...`, or
+    `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no traceback, exit
+    status 2. A deliberate stop (Stop): exit status 1. Anything else is a bug and keeps Python's
+    traceback. Returns the exit status."""
+    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
     try:
-        main()
+        main(argv)
+        return 0
     except (ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 2
+    except Stop as e:
+        if e.__cause__ is not None:  # e.g. the reward's own traceback: where it failed
+            traceback.print_exception(e.__cause__)
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
