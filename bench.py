@@ -293,6 +293,9 @@ def study(opts, extra):
     if not os.path.exists(base):
         subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
     jobs = []
+    if not os.path.exists(os.path.join(root, "base_eval", "summary.json")):
+        jobs.append(("base", 0, " ".join(py + ["--eval-only", "--init", base, "--out", os.path.join(root, "base_eval"),
+                                               "--threads", "1"] + extra)))
     for arm, seed, flags in _study_runs(opts):
         out = os.path.join(root, arm.replace(" ", "_").replace("%", "pct"), f"seed{seed}")
         if os.path.exists(os.path.join(out, "eval", "summary.json")):
@@ -339,7 +342,12 @@ def study_report(opts):
                    **{k: v for k, v in ev.items() if k.startswith("accuracy/")})
         table.setdefault(arm, []).append(rec)
         curves.setdefault(arm, []).append(([r["reward_mean"] for r in rows], grad))
-    base_eval = os.path.join(root, "base_eval", "summary.json")
+    try:  # the base model without RL, for reference
+        ev = json.load(open(os.path.join(root, "base_eval", "summary.json")))
+        table["base (no RL)"] = [dict(heldout_acc=ev.get("accuracy", float("nan")),
+                                      **{k: v for k, v in ev.items() if k.startswith("accuracy/")})]
+    except (OSError, ValueError):
+        pass
     summary = {arm: {k: (float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs])), len(recs))
                      for k in recs[0]} for arm, recs in table.items()}
     with open(os.path.join(root, "study.json"), "w") as f:

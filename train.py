@@ -60,20 +60,20 @@ DEFAULTS = dict(
     device="auto", threads=0, wandb=False,
     # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
     # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
-    model="small", img_size=32, patch_size=4, embed_dim=192, depth=4, heads=4, head_depth=3, head_width=256,
+    model="small", img_size=32, patch_size=4, embed_dim=128, depth=3, heads=4, head_depth=3, head_width=128,
     vae=None,
     # sampling
-    num_iter=8, num_sampling_steps=25, cfg=3.0, cfg_schedule="linear", temperature=1.0,
+    num_iter=8, num_sampling_steps=16, cfg=3.0, cfg_schedule="linear", temperature=0.5,
     # pretraining (shapes world)
-    pretrain_steps=1500, pretrain_batch=64, pretrain_lr=1e-3, ema=0.999, diffusion_batch_mul=4,
+    pretrain_steps=2000, pretrain_batch=32, pretrain_lr=1e-3, ema=0.999, diffusion_batch_mul=1,
     # GRPO (SPEC §6–§8)
-    method="mar-grpo", steps=60, prompts_per_step=8, group_size=8, lr=5e-5, weight_decay=0.0, max_grad_norm=1.0,
-    train_ar_steps=4, train_diff_steps=8, beta=None, kl=None, clip_eps=None, inner_epochs=None, train_cfg=None,
+    method="mar-grpo", steps=40, prompts_per_step=8, group_size=6, lr=1e-4, weight_decay=0.0, max_grad_norm=1.0,
+    train_ar_steps=2, train_diff_steps=6, min_diff_step=1, beta=None, kl=None, clip_eps=None, inner_epochs=None, train_cfg=None,
     mte_seeds=None, top_k=None, tau=None, train_head=None,
     # rewards and prompts
     reward="shapes", reward_ckpt=[], prompts=None, split="train",
     # evaluation, logging, checkpoints
-    eval_prompts=96, eval_images_per_prompt=1, sample_every=20, save_every=20, keep_last=2, max_bad_steps=5,
+    eval_prompts=96, eval_images_per_prompt=1, eval_temperature=None, sample_every=20, save_every=20, keep_last=2, max_bad_steps=5,
 )
 
 PRESETS = {
@@ -88,7 +88,7 @@ PRESETS = {
     # 1 prompt × G = 4 images per GPU, 64 AR steps, 12 AR × 10 diffusion steps trained, β = 0.01,
     # constant LR, 1200 steps, a checkpoint every 50, HPS v2.1 reward. CFG 3.0 and 100 diffusion
     # steps are MAR-B's own sampling settings; lr 2e-6 is the NOVA run's.
-    "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0,
+    "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0, temperature=1.0,
                      steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
                      reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
 }
@@ -116,7 +116,9 @@ HELP = dict(
     steps="GRPO steps", prompts_per_step="prompts per GRPO step (global; divides by the world size)",
     group_size="images per prompt G", lr="GRPO learning rate (constant)", weight_decay="AdamW weight decay",
     max_grad_norm="gradient clipping", train_ar_steps="AR steps trained per rollout",
-    train_diff_steps="diffusion steps trained per AR step", beta="KL weight β (0.01)",
+    train_diff_steps="diffusion steps trained per AR step",
+    min_diff_step="lowest sampling step k trained (1: all of diffloss.trainable_steps); the last steps' σ is tiny, "
+                  "so their log-probability gradients dominate an update", beta="KL weight β (0.01)",
     kl="gaussian | k3 | mean-k3", clip_eps="PPO clip ε (used when --inner-epochs > 1)",
     inner_epochs="optimizer steps per rollout (1 = released)", train_cfg="rollout | 1 (released)",
     mte_seeds="S trajectories for MTE (0 = off)", top_k="fraction of tokens with MTE",
@@ -125,7 +127,8 @@ HELP = dict(
     reward_ckpt="reward weights, KEY=PATH (repeatable), e.g. hpsv2=HPS_v2.1_compressed.pt",
     prompts="prompt file, one per line (shapes prompts, or class indices for official models)",
     split="shapes prompts to train on: train | all", eval_prompts="held-out prompts to evaluate (0 = skip)",
-    eval_images_per_prompt="images per evaluated prompt", sample_every="write a sample grid every N steps",
+    eval_images_per_prompt="images per evaluated prompt",
+    eval_temperature="τ for evaluation images (default: --temperature)", sample_every="write a sample grid every N steps",
     save_every="checkpoint every N steps", keep_last="checkpoints kept (0 = all)",
     max_bad_steps="consecutive non-finite steps (skipped updates) before the run stops",
 )
@@ -165,7 +168,7 @@ def parse_args(argv=None):
             p.add_argument(flag(name), action="store_true", default=value, help=HELP[name])
         elif isinstance(value, list):
             p.add_argument(flag(name), action="append", default=list(value), help=HELP[name])
-        elif name in ("beta", "clip_eps", "top_k"):
+        elif name in ("beta", "clip_eps", "top_k", "eval_temperature"):
             p.add_argument(flag(name), type=float, **kw)
         elif name in ("mte_seeds", "inner_epochs"):
             p.add_argument(flag(name), type=int, **kw)
@@ -217,6 +220,9 @@ def check_inputs(args, world):
         raise ValueError(f"--num-sampling-steps {args.num_sampling_steps}: must be >= 3 (RL trains steps 1 … T-2)")
     if args.group_size < 2:
         raise ValueError(f"--group-size {args.group_size}: GRPO needs at least 2 images per prompt")
+    if not train_diff_candidates(args):
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: no trainable step left among 1 … "
+                         f"{args.num_sampling_steps - 2}")
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} "
                          "(each prompt's group is generated on one rank)")
@@ -253,6 +259,11 @@ def check_inputs(args, world):
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (use --resume auto to start fresh if none)")
     check_writable(args.out, "--out")
     return cfg
+
+
+def train_diff_candidates(args):
+    """The sampling steps a rollout may record: diffloss.trainable_steps from --min-diff-step on."""
+    return [k for k in diffloss.trainable_steps(args.num_sampling_steps) if k >= args.min_diff_step]
 
 
 def will_pretrain(args):
@@ -691,7 +702,7 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         items = [it for it in items for _ in range(G)]  # each prompt's group stays together
         condition = prompts.condition(items, ctx.device)
         plan_ar, plan_diff = grpo.choose_train_steps(args.num_iter, args.train_ar_steps,
-                                                     diffloss.trainable_steps(args.num_sampling_steps),
+                                                     train_diff_candidates(args),
                                                      args.train_diff_steps, seeded(args.seed, 3, step, ctx.rank))
         plan = mar.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff.to(ctx.device))
         gen = seeded(args.seed, 4, step, ctx.rank)
@@ -877,7 +888,8 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
         its = [it for _, it in chunk]
         with ctx.autocast():
             latents = model.sample_tokens(len(its), num_iter=args.num_iter, cfg=args.cfg, cfg_schedule=args.cfg_schedule,
-                                          temperature=args.temperature, generator=seeded(args.seed, 6, b0, ctx.rank),
+                                          temperature=args.temperature if args.eval_temperature is None else args.eval_temperature,
+                                          generator=seeded(args.seed, 6, b0, ctx.rank),
                                           **prompts.condition(its, ctx.device))
             images = codec.decode(latents.float())
         scores, info = score(reward_fn, args.reward, images, prompts.texts(its), prompts.metas(its))
@@ -915,19 +927,27 @@ def summarize(rows):
     if correct:
         out["accuracy"] = float(np.mean([r["details"]["correct"] for r in correct]))
         for cat in shapes.CATEGORIES:
-            sel = [r["details"]["correct"] for r in correct if r["category"] == cat]
+            sel = [r for r in correct if r["category"] == cat]
             if sel:
-                out[f"accuracy/{cat}"] = float(np.mean(sel))
+                out[f"accuracy/{cat}"] = float(np.mean([r["details"]["correct"] for r in sel]))
+                out[f"reward/{cat}"] = float(np.mean([r["reward"] for r in sel]))
     return out
 
 
 def eval_items(args, model, prompts):
-    """The evaluation prompts: --prompts if given, else a fixed sample of held-out shapes prompts."""
+    """The evaluation prompts: --prompts if given, else held-out shapes prompts, the same number
+    from each category (the held-out split is mostly spatial prompts, and has only two single-
+    object ones, so a uniform sample would measure little else; small categories repeat)."""
     if args.prompts is not None or not prompts.text_conditioned:
         return prompts.items
-    heldout = shapes.all_prompts("heldout")
     rng = np.random.default_rng([args.seed, 8])
-    return [heldout[i] for i in rng.permutation(len(heldout))[:args.eval_prompts]]
+    per_cat = -(-args.eval_prompts // len(shapes.CATEGORIES))  # ceil
+    items = []
+    for cat in shapes.CATEGORIES:
+        pool = [m for m in shapes.all_prompts("heldout") if m["category"] == cat]
+        order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-per_cat // len(pool)))])
+        items += [pool[i] for i in order[:per_cat]]
+    return items
 
 
 # -----------------------------------------------------------------------------
