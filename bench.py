@@ -20,6 +20,8 @@ import argparse
 import copy
 import json
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -264,19 +266,32 @@ def bench_scaling(args, out):
 # -----------------------------------------------------------------------------
 # The controlled study (issue 6): same base, prompts, steps and samples for every arm
 
-STUDY_MAIN = {  # arm -> train.py flags; 3+ seeds each
+STUDY_MAIN = {  # arm -> train.py flags; --study-seeds seeds each
     "grpo": ["--method", "grpo"],
     "grpo-fixed-head": ["--method", "grpo-fixed-head"],
-    "fixed+MTE": ["--method", "grpo-fixed-head", "--mte-seeds", "3"],
-    "mar-grpo": ["--method", "mar-grpo"],
+    "mar-grpo": ["--method", "mar-grpo", "--mte-positions", "unknown"],
+    "mar-grpo, MTE on P_i": ["--method", "mar-grpo", "--mte-positions", "predicted"],
 }
-STUDY_ABLATIONS = {  # one seed each
-    "fixed+masks (tau 0)": ["--method", "grpo-fixed-head", "--tau", "0"],
-    "mar-grpo S=5": ["--method", "mar-grpo", "--mte-seeds", "5"],
-    "mar-grpo k=10%": ["--method", "mar-grpo", "--top-k", "0.1"],
-    "mar-grpo k=60%": ["--method", "mar-grpo", "--top-k", "0.6"],
-    "mar-grpo tau off": ["--method", "mar-grpo", "--tau", "off"],
+STUDY_ABLATIONS = {  # one seed each; S = 1 is the fixed head with the masks alone
+    "MTE alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "unknown"],
+    "MTE on P_i alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "predicted"],
+    "masks alone (S=1, tau 0)": ["--method", "grpo-fixed-head", "--tau", "0"],
+    "mar-grpo S=5": ["--method", "mar-grpo", "--mte-seeds", "5", "--mte-positions", "unknown"],
+    "mar-grpo k=10%": ["--method", "mar-grpo", "--top-k", "0.1", "--mte-positions", "unknown"],
+    "mar-grpo k=60%": ["--method", "mar-grpo", "--top-k", "0.6", "--mte-positions", "unknown"],
+    "mar-grpo tau off": ["--method", "mar-grpo", "--tau", "off", "--mte-positions", "unknown"],
 }
+
+
+# the study trains on four fixed training-split prompts, one per category, so that 25 GRPO steps
+# on 2 CPU cores separate the arms; held-out evaluation uses the usual stratified held-out set
+STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
+                 "a blue square left of a green circle"]
+
+
+def _slug(arm):
+    """A folder name for an arm: 'mar-grpo, MTE on P_i' -> 'mar-grpo_MTE_on_P_i'."""
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", arm).strip("_")
 
 
 def _study_runs(opts):
@@ -286,30 +301,38 @@ def _study_runs(opts):
 
 def study(opts, extra):
     """Run every arm (GRPO from one base, then held-out evaluation), two processes at a time with
-    one thread each, skipping runs already finished; then write the table, JSON and plot."""
+    one thread each, skipping runs already finished; then write the table, JSON and plot.
+    `extra` flags go to every train.py call; --study-train-flags only to the GRPO runs."""
     root = opts.study_out
+    extra = ["--preset", opts.preset] + extra
+    os.makedirs(root, exist_ok=True)
+    prompt_file = os.path.join(root, "prompts.txt")
+    with open(prompt_file, "w") as f:
+        f.write("\n".join(STUDY_PROMPTS) + "\n")
+    train_extra = ["--prompts", prompt_file, "--steps", str(opts.study_steps)] + opts.study_train_flags.split()
     base = os.path.join(root, "base.pt")
     py = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
     if not os.path.exists(base):
         subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
     jobs = []
     if not os.path.exists(os.path.join(root, "base_eval", "summary.json")):
-        jobs.append(("base", 0, " ".join(py + ["--eval-only", "--init", base, "--out", os.path.join(root, "base_eval"),
-                                               "--threads", "1"] + extra)))
+        jobs.append(("base", 0, " ".join(shlex.quote(c) for c in py + ["--eval-only", "--init", base, "--out",
+                                                                         os.path.join(root, "base_eval"), "--threads", "1"] + extra)))
     for arm, seed, flags in _study_runs(opts):
-        out = os.path.join(root, arm.replace(" ", "_").replace("%", "pct"), f"seed{seed}")
+        out = os.path.join(root, _slug(arm), f"seed{seed}")
         if os.path.exists(os.path.join(out, "eval", "summary.json")):
             continue
-        cmd = (py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"] + flags + extra
+        cmd = (py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"] + flags
+               + extra + train_extra
                + ["&&"] + py + ["--eval-only", "--init", os.path.join(out, "ckpt", "latest.pt"), "--out",
                                 os.path.join(out, "eval"), "--threads", "1"] + extra)
-        jobs.append((arm, seed, " ".join(map(str, cmd))))
+        jobs.append((arm, seed, " ".join(shlex.quote(str(c)) if c != "&&" else c for c in cmd)))
     running = []
     while jobs or running:
         while jobs and len(running) < 2:
             arm, seed, cmd = jobs.pop(0)
             print(f"study: {arm} seed {seed}", flush=True)
-            log = open(os.path.join(root, f"log_{arm.replace(' ', '_')}_{seed}.txt"), "w")
+            log = open(os.path.join(root, f"log_{_slug(arm)}_{seed}.txt"), "w")
             running.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
                                             env=dict(os.environ, OMP_NUM_THREADS="1")))
         time.sleep(2)
@@ -327,15 +350,17 @@ def study_report(opts):
     import matplotlib.pyplot as plt
     root, table, curves = opts.study_out, {}, {}
     for arm, seed, _ in _study_runs(opts):
-        out = os.path.join(root, arm.replace(" ", "_").replace("%", "pct"), f"seed{seed}")
+        out = os.path.join(root, _slug(arm), f"seed{seed}")
         try:
             rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             ev = json.load(open(os.path.join(out, "eval", "summary.json")))
         except (OSError, ValueError):
             continue
         grad = [r["grad_norm"] for r in rows]
-        tail = rows[-max(1, len(rows) // 5):]
-        rec = dict(heldout_acc=ev.get("accuracy", float("nan")), train_reward_last=float(np.mean([r["reward_mean"] for r in tail])),
+        tail, head = rows[-max(1, len(rows) // 5):], rows[:max(1, len(rows) // 5)]
+        rec = dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean", float("nan")),
+                   train_reward_first=float(np.mean([r["reward_mean"] for r in head])),
+                   train_reward_last=float(np.mean([r["reward_mean"] for r in tail])),
                    grad_norm_mean=float(np.mean(grad)), grad_norm_std=float(np.std(grad)), kl_last=float(np.mean([r["kl"] for r in tail])),
                    diversity_last=float(np.mean([r["diversity"] for r in tail])),
                    step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])),
@@ -344,7 +369,7 @@ def study_report(opts):
         curves.setdefault(arm, []).append(([r["reward_mean"] for r in rows], grad))
     try:  # the base model without RL, for reference
         ev = json.load(open(os.path.join(root, "base_eval", "summary.json")))
-        table["base (no RL)"] = [dict(heldout_acc=ev.get("accuracy", float("nan")),
+        table["base (no RL)"] = [dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean"),
                                       **{k: v for k, v in ev.items() if k.startswith("accuracy/")})]
     except (OSError, ValueError):
         pass
@@ -352,8 +377,9 @@ def study_report(opts):
                      for k in recs[0]} for arm, recs in table.items()}
     with open(os.path.join(root, "study.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    cols = ["heldout_acc", "accuracy/single", "accuracy/two_objects", "accuracy/counting", "accuracy/spatial",
-            "train_reward_last", "grad_norm_mean", "grad_norm_std", "kl_last", "diversity_last", "step_s"]
+    cols = ["train_reward_first", "train_reward_last", "heldout_reward", "heldout_acc", "accuracy/single",
+            "accuracy/two_objects", "accuracy/counting", "accuracy/spatial", "grad_norm_mean", "grad_norm_std",
+            "kl_last", "diversity_last", "step_s"]
     lines = ["| arm | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for arm, stats in summary.items():
         cells = [f"{stats[c][0]:.3f} ± {stats[c][1]:.3f}" if c in stats else "–" for c in cols]
@@ -394,6 +420,8 @@ def main(argv=None):
     p.add_argument("--study", action="store_true", help="run the controlled study instead (see study())")
     p.add_argument("--study-seeds", type=int, default=3)
     p.add_argument("--study-out", default="runs/study")
+    p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
+    p.add_argument("--study-steps", type=int, default=25, help="GRPO steps per study run")
     opts, rest = p.parse_known_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)

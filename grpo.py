@@ -42,6 +42,7 @@ class GRPOConfig:
     train_head: bool = False      # does the diffusion head get gradients?
     mte_seeds: int = 0            # S; 0 = no multi-trajectory expectation
     top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
+    mte_positions: str = "unknown"  # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
     tau: float | None = 0.0       # consistency threshold; None = no consistency mask
     train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
 
@@ -55,6 +56,8 @@ class GRPOConfig:
             raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
         if self.inner_epochs < 1:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
+        if self.mte_positions not in ("unknown", "predicted"):
+            raise ValueError(f"--mte-positions {self.mte_positions!r}: choose 'unknown' or 'predicted'")
         if self.train_cfg not in ("rollout", "1"):
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:

@@ -16,7 +16,10 @@ What this file decides, and why:
    although it sampled with guidance (then ℓ no longer matches the recorded value).
 3. The reference policy of the KL runs the same computation without gradients.
 4. MTE terms are evaluated only at the uncertain unknown positions (flat over them), so their
-   cost scales with k%, not with L.
+   cost scales with k%, not with L. `--mte-positions predicted` restricts them further to the
+   tokens written at this step, P_i, the only positions whose z_final is this step's z_i; on
+   U_i \ P_i the seeds come from the z of a later step, which the released code (and the
+   default here) evaluates under z_i anyway (see mte.py, item 2, and the README's study).
 """
 
 import torch
@@ -92,6 +95,8 @@ def rollout_loss(model, ref_model, record, j, condition, adv, cfg, seeds=None, u
     # multi-trajectory expectation on the uncertain unknown positions
     if seeds is not None:
         unc = uncertain.gather(1, step["unk_idx"])  # (B, n) M_unc on U_i
+        if cfg.mte_positions == "predicted":  # only where the seeds' z_final is this step's z_i
+            unc = unc & step["pred"].gather(1, step["unk_idx"])
         stats["uncertain_frac"] = unc.float().mean().item()
         if unc.any():
             traj = mte.gather_positions(seeds, step["unk_idx"])  # (S, K, B, n, C)

@@ -772,7 +772,8 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     out = tmp_path / "run"
     res = run_train("--preset", "smoke", "--out", str(out), "--threads", "1")
     for name in ["base.pt", "config.json", "metrics.jsonl", "curves.png", "ckpt/latest.pt",
-                 "eval/base/results.jsonl", "eval/tuned/results.jsonl", "eval/summary.json"]:
+                 "eval/base/results.jsonl", "eval/tuned/results.jsonl", "eval/tuned_train/results.jsonl",
+                 "eval/summary.json"]:
         assert (out / name).exists(), name
     assert list((out / "samples").glob("step_*.png"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -783,7 +784,9 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     assert max(r["logp_parity_err"] for r in rows) < 1e-4
     line = json.loads((out / "eval/tuned/results.jsonl").read_text().splitlines()[0])
     assert {"prompt", "file", "reward", "details"} <= line.keys() and (out / "eval/tuned" / line["file"]).exists()
-    assert "held-out evaluation" in res.stdout and "accuracy" in res.stdout
+    assert "held-out prompts" in res.stdout and "training prompts" in res.stdout and "accuracy" in res.stdout
+    summary = json.loads((out / "eval/summary.json").read_text())
+    assert set(summary) == {"base", "tuned", "base_train", "tuned_train"} and summary["base"]["n"] == 4
     ckpt = torch.load(out / "ckpt/latest.pt", weights_only=True)  # plain dicts only
     assert ckpt["step"] == 3 and isinstance(ckpt["config"], dict)
     # the cached base is reused by the next run in the same folder
