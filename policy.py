@@ -18,7 +18,7 @@ What this file decides, and why:
 4. MTE terms are evaluated only at the uncertain unknown positions (flat over them), so their
    cost scales with k%, not with L. `--mte-positions predicted` restricts them further to the
    tokens written at this step, P_i, the only positions whose z_final is this step's z_i; on
-   U_i \ P_i the seeds come from the z of a later step, which the released code (and the
+   U_i outside P_i the seeds come from the z of a later step, which the released code (and the
    default here) evaluates under z_i anyway (see mte.py, item 2, and the README's study).
 """
 
