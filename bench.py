@@ -296,12 +296,15 @@ def _slug(arm):
 
 def _study_runs(opts):
     runs = [(arm, seed, flags) for arm, flags in STUDY_MAIN.items() for seed in range(opts.study_seeds)]
+    if opts.study_arms == "main":
+        return runs
     return runs + [(arm, 0, flags) for arm, flags in STUDY_ABLATIONS.items()]
 
 
 def study(opts, extra):
-    """Run every arm (GRPO from one base, then held-out evaluation), two processes at a time with
-    one thread each, skipping runs already finished; then write the table, JSON and plot.
+    """Run every arm (GRPO from one base, then two evaluations: the stratified held-out prompts, and
+    the study's four training prompts × 24 images with fixed seeds), two processes at a time with
+    one thread each, skipping what is already finished; then write the table, JSON and plot.
     `extra` flags go to every train.py call; --study-train-flags only to the GRPO runs."""
     root = opts.study_out
     extra = ["--preset", opts.preset] + extra
@@ -314,19 +317,32 @@ def study(opts, extra):
     py = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
     if not os.path.exists(base):
         subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
+
+    def evals(ckpt, out):  # held-out prompts (stratified), then the study's training prompts, 24 images each
+        cmds = []
+        if not os.path.exists(os.path.join(out, "eval", "summary.json")):
+            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval"), "--threads", "1"] + extra)
+        if not os.path.exists(os.path.join(out, "eval_train", "summary.json")):
+            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval_train"), "--threads", "1",
+                              "--prompts", prompt_file, "--eval-images-per-prompt", "24"] + extra)
+        return cmds
+
+    def shell(cmds):
+        return " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)
+
     jobs = []
-    if not os.path.exists(os.path.join(root, "base_eval", "summary.json")):
-        jobs.append(("base", 0, " ".join(shlex.quote(c) for c in py + ["--eval-only", "--init", base, "--out",
-                                                                         os.path.join(root, "base_eval"), "--threads", "1"] + extra)))
+    base_cmds = evals(base, os.path.join(root, "base"))
+    if base_cmds:
+        jobs.append(("base", 0, shell(base_cmds)))
     for arm, seed, flags in _study_runs(opts):
         out = os.path.join(root, _slug(arm), f"seed{seed}")
-        if os.path.exists(os.path.join(out, "eval", "summary.json")):
-            continue
-        cmd = (py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"] + flags
-               + extra + train_extra
-               + ["&&"] + py + ["--eval-only", "--init", os.path.join(out, "ckpt", "latest.pt"), "--out",
-                                os.path.join(out, "eval"), "--threads", "1"] + extra)
-        jobs.append((arm, seed, " ".join(shlex.quote(str(c)) if c != "&&" else c for c in cmd)))
+        cmds = []
+        if not os.path.exists(os.path.join(out, "eval", "summary.json")):  # evaluation follows a finished run
+            cmds.append(py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"]
+                        + flags + extra + train_extra)
+        cmds += evals(os.path.join(out, "ckpt", "latest.pt"), out)
+        if cmds:
+            jobs.append((arm, seed, shell(cmds)))
     running = []
     while jobs or running:
         while jobs and len(running) < 2:
@@ -354,22 +370,27 @@ def study_report(opts):
         try:
             rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             ev = json.load(open(os.path.join(out, "eval", "summary.json")))
+            ev_train = json.load(open(os.path.join(out, "eval_train", "summary.json")))
         except (OSError, ValueError):
             continue
         grad = [r["grad_norm"] for r in rows]
         tail, head = rows[-max(1, len(rows) // 5):], rows[:max(1, len(rows) // 5)]
         rec = dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean", float("nan")),
+                   train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
                    train_reward_first=float(np.mean([r["reward_mean"] for r in head])),
                    train_reward_last=float(np.mean([r["reward_mean"] for r in tail])),
-                   grad_norm_mean=float(np.mean(grad)), grad_norm_std=float(np.std(grad)), kl_last=float(np.mean([r["kl"] for r in tail])),
+                   grad_norm_mean=float(np.mean(grad)), grad_norm_std=float(np.std(grad)),
+                   grad_norm_cv=float(np.std(grad) / np.mean(grad)), kl_last=float(np.mean([r["kl"] for r in tail])),
                    diversity_last=float(np.mean([r["diversity"] for r in tail])),
                    step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])),
                    **{k: v for k, v in ev.items() if k.startswith("accuracy/")})
         table.setdefault(arm, []).append(rec)
         curves.setdefault(arm, []).append(([r["reward_mean"] for r in rows], grad))
     try:  # the base model without RL, for reference
-        ev = json.load(open(os.path.join(root, "base_eval", "summary.json")))
-        table["base (no RL)"] = [dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean"),
+        ev = json.load(open(os.path.join(root, "base", "eval", "summary.json")))
+        ev_train = json.load(open(os.path.join(root, "base", "eval_train", "summary.json")))
+        table["base (no RL)"] = [dict(heldout_acc=ev["accuracy"], heldout_reward=ev["reward_mean"],
+                                      train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
                                       **{k: v for k, v in ev.items() if k.startswith("accuracy/")})]
     except (OSError, ValueError):
         pass
@@ -377,8 +398,8 @@ def study_report(opts):
                      for k in recs[0]} for arm, recs in table.items()}
     with open(os.path.join(root, "study.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    cols = ["train_reward_first", "train_reward_last", "heldout_reward", "heldout_acc", "accuracy/single",
-            "accuracy/two_objects", "accuracy/counting", "accuracy/spatial", "grad_norm_mean", "grad_norm_std",
+    cols = ["train_reward_first", "train_reward_last", "train_reward", "train_acc", "heldout_reward", "heldout_acc", "accuracy/single",
+            "accuracy/two_objects", "accuracy/counting", "accuracy/spatial", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
             "kl_last", "diversity_last", "step_s"]
     lines = ["| arm | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for arm, stats in summary.items():
@@ -422,6 +443,7 @@ def main(argv=None):
     p.add_argument("--study-out", default="runs/study")
     p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
     p.add_argument("--study-steps", type=int, default=25, help="GRPO steps per study run")
+    p.add_argument("--study-arms", default="all", choices=["all", "main"], help="main: the four main arms only")
     opts, rest = p.parse_known_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)

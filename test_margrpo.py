@@ -634,6 +634,37 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
     assert any(n.startswith("diffloss.") and g.abs().sum() > 0 for n, g in g3.items())
 
 
+def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i():
+    """--mte-positions predicted = the released MTE with M_unc ∧ P_i of the trained step."""
+    model = tiny_mar()
+    model.diffloss.requires_grad_(False)
+    record, cond = make_rollout(model)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    seeds = mte.sample_trajectories(model.diffloss, record["z_final"], record["z_final_null"], record["cfg_final"],
+                                    0.9, 3, record["steps"][0]["diff_steps"], torch.Generator().manual_seed(1))
+    uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.5)  # (B, L)
+    released = grpo.GRPOConfig(**grpo.PRESETS["mar-grpo"])
+    predicted = grpo.GRPOConfig(**dict(grpo.PRESETS["mar-grpo"], mte_positions="predicted"))
+    def grad(j, cfg, unc):  # the loss's gradient at AR step j, flattened over the trained parameters
+        model.zero_grad()
+        loss, stats, _ = policy.rollout_loss(model, model, record, j, cond, adv, cfg, seeds, unc)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
+
+    differ = 0
+    for j, step in enumerate(record["steps"]):
+        restricted = uncertain & step["pred"]  # (B, L)
+        want, _ = grad(j, released, restricted)
+        got, stats = grad(j, predicted, uncertain)
+        broad, _ = grad(j, released, uncertain)
+        assert torch.equal(got, want)
+        assert stats["uncertain_frac"] == restricted.gather(1, step["unk_idx"]).float().mean().item()
+        if (uncertain & ~step["pred"] & step["mask"]).any():  # uncertain unknown tokens outside P_i
+            assert not torch.allclose(got, broad)
+            differ += 1
+    assert differ  # the rollout has a step where the two variants differ
+
+
 def test_mte_trajectories_are_one_batched_head_call(monkeypatch):
     model = tiny_mar()
     record, _ = make_rollout(model)
