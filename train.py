@@ -77,9 +77,9 @@ DEFAULTS = dict(
 )
 
 PRESETS = {
-    # python train.py: about 15 minutes on 2 CPU cores in all. Two choices differ from the method's
-    # defaults, both measured on this world (README, "The demo" and "The study"): MTE only on the
-    # tokens written at the trained step (the released variant lowered the reward), and no
+    # python train.py: about 10 minutes on 2 CPU cores in all. Two choices differ from the method's
+    # defaults, both measured on this world (README, "Findings" and "The study"): MTE only on the
+    # tokens written at the trained step (the released placement drove the reward down), and no
     # training of the last noisy diffusion step (its tiny σ dominates the gradient)
     "demo": dict(mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
