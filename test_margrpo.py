@@ -932,3 +932,14 @@ def test_gradient_step_moves_logp_toward_positive_advantages():
             if p.grad is not None:
                 p -= 1e-4 * p.grad
     assert weighted_logp() > before
+
+
+def test_bench_sections_run_at_smoke_size(capsys):
+    """bench.py's figures at toy size: every section runs and reports ratios in their ranges."""
+    import bench
+    res = bench.main(["--preset", "smoke", "--sections", "sample,record,step,reward,flops", "--repeats", "1"])
+    assert res["record"]["overhead"] > 0 and res["record"]["record_bytes_per_image"] > 0
+    shares = res["step"]["shares"]
+    assert res["step"]["ratio"] > 0 and 0.9 < sum(shares.values()) < 1.1  # medians of the parts: near 1
+    assert 0 < res["flops"]["utilisation"] and res["reward"]["verifier_images_per_s_32px"] > 0
+    assert "MAR-GRPO step / fixed-head GRPO step" in capsys.readouterr().out
