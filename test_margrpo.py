@@ -791,14 +791,6 @@ def run_train(*flags, torchrun=0, check=True, env=None, timeout=300):
     return out
 
 
-@pytest.fixture(scope="module")
-def smoke_base(tmp_path_factory):
-    """A pretrained smoke-size base model, shared by the train.py tests."""
-    out = tmp_path_factory.mktemp("base")
-    run_train("--preset", "smoke", "--stage", "pretrain", "--out", str(out))
-    return out / "base.pt"
-
-
 def test_smoke_pipeline_end_to_end(tmp_path):
     out = tmp_path / "run"
     res = run_train("--preset", "smoke", "--out", str(out), "--threads", "1")

@@ -57,14 +57,6 @@ def metrics(out):
 
 
 @pytest.fixture(scope="module")
-def smoke_base(tmp_path_factory):
-    """A pretrained smoke-size base model."""
-    out = tmp_path_factory.mktemp("base")
-    assert train.cli(["--preset", "smoke", "--stage", "pretrain", "--out", str(out)]) == 0
-    return out / "base.pt"
-
-
-@pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, smoke_base):
     """A finished 2-step GRPO run folder with checkpoints at steps 1 and 2."""
     out = tmp_path_factory.mktemp("run")
