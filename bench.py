@@ -5,6 +5,7 @@
     python bench.py --mar-base            # add the mar_base (256 px) figures (CPU: minutes)
     python bench.py --official-dir DIR    # side by side with a local checkout of LTH14/mar
     python bench.py --study [--study-seeds 3]   # the controlled study (runs train.py many times)
+    python bench.py --context-probe runs/demo/base.pt   # does a base model use the canvas?
 
 Sections:
   sample   sample_tokens tokens/s and images/s
@@ -284,6 +285,52 @@ STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three re
                  "a blue square left of a green circle"]
 
 
+@torch.no_grad()
+def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), temperature=0.5, seed=0):
+    """Does a pixel-token base model use the canvas? Rendered training-split images with a random
+    fraction of their tokens known: the diffusion loss on the unknown tokens (split into tokens
+    with some colour and all-black ones), and how often a token sampled there (no CFG) is coloured
+    where the image is black or the reverse. A model that reads its neighbours gets better as more
+    of the canvas is known; one that has learnt only the prompt's marginal does not.
+
+    Returns {known_frac: {"loss_coloured", "loss_black", "colour_error"}} and "coloured_frac"."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng(seed), split="train")
+    tokens = model.patchify(codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255))  # (B, L, C)
+    B, L, C = tokens.shape
+    coloured = (tokens > -0.5).any(-1).float()  # (B, L): some pixel is not black (black is -1)
+    cond = model.condition(prompt_ids=torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])))
+    order = torch.argsort(torch.rand(B, L, generator=g), dim=1)  # the same known positions for every fraction
+    res = {"coloured_frac": coloured.mean().item()}
+    for frac in known_fracs:
+        unknown = torch.ones(B, L).scatter_(1, order[:, :int(L * frac)], 0.0)  # (B, L), 1 = unknown
+        z = model.predict_z(tokens, unknown, cond).reshape(B * L, -1)  # (B·L, D)
+        flat = tokens.reshape(B * L, C)
+
+        def loss(sel):  # the training loss on the selected positions, averaged over 10 noise draws
+            return float(np.mean([model.diffloss(z=z, target=flat, mask=sel.reshape(B * L), generator=g).item()
+                                  for _ in range(10)]))
+        sampled = model.diffloss.sample(z, temperature=temperature, generator=g).reshape(B, L, C)
+        wrong = ((sampled > -0.5).any(-1).float() != coloured).float()  # (B, L)
+        res[frac] = dict(loss_coloured=loss(unknown * coloured), loss_black=loss(unknown * (1 - coloured)),
+                         colour_error=((wrong * unknown).sum() / unknown.sum()).item())
+    return res
+
+
+def run_context_probe(path, args, out):
+    model = train.load_policy(args, path)
+    if model.config["vae_stride"] != 1 or not hasattr(model, "text_emb"):
+        raise SystemExit(f"--context-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
+    res = context_probe(model, mar.PixelCodec(), temperature=args.temperature)
+    out(f"context probe of {path}: 128 training-split images, {res['coloured_frac']:.1%} of tokens coloured")
+    out("  known fraction | diffusion loss, coloured / black unknown tokens | colour error of sampled unknown tokens")
+    for frac, r in res.items():
+        if frac != "coloured_frac":
+            out(f"  {frac:14.1f} | {r['loss_coloured']:.4f} / {r['loss_black']:.4f} | {r['colour_error']:.3f}")
+    return res
+
+
 def _slug(arm):
     """A folder name for an arm: 'mar-grpo, MTE on P_i' -> 'mar-grpo_MTE_on_P_i'."""
     return re.sub(r"[^A-Za-z0-9.=-]+", "_", arm).strip("_")
@@ -439,12 +486,16 @@ def main(argv=None):
     p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
     p.add_argument("--study-steps", type=int, default=25, help="GRPO steps per study run")
     p.add_argument("--study-arms", default="all", choices=["all", "main"], help="main: the four main arms only")
+    p.add_argument("--context-probe", default=None, metavar="BASE",
+                   help="instead: does this pixel-token base model (base.pt) use the canvas? (see context_probe)")
     opts, rest = p.parse_known_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.study:
         return study(opts, rest)
     args = train.parse_args(["--preset", opts.preset] + rest)
+    if opts.context_probe:
+        return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
     args.repeats, args.mar_base, args.official_dir = opts.repeats, opts.mar_base, opts.official_dir
     print(f"bench: preset {opts.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"device cpu", flush=True)

@@ -935,3 +935,15 @@ def test_bench_sections_run_at_smoke_size(capsys):
     assert res["step"]["ratio"] > 0 and 0.9 < sum(shares.values()) < 1.1  # medians of the parts: near 1
     assert 0 < res["flops"]["utilisation"] and res["reward"]["verifier_images_per_s_32px"] > 0
     assert "MAR-GRPO step / fixed-head GRPO step" in capsys.readouterr().out
+
+
+def test_context_probe_metric(smoke_base, monkeypatch):
+    """bench.context_probe: a head that always samples black is wrong on exactly the coloured
+    unknown tokens, so with the whole canvas unknown its colour error is the coloured fraction."""
+    import bench
+    model = mar.load_checkpoint(smoke_base)
+    monkeypatch.setattr(model.diffloss, "sample", lambda z, **kw: torch.full((z.shape[0], model.token_embed_dim), -1.0))
+    res = bench.context_probe(model, mar.PixelCodec(), n_images=16, known_fracs=(0.0, 0.5))
+    assert 0.05 < res["coloured_frac"] < 0.6
+    assert res[0.0]["colour_error"] == pytest.approx(res["coloured_frac"], abs=1e-6)
+    assert 0 < res[0.5]["colour_error"] < 1 and res[0.5]["loss_coloured"] > 0 and res[0.5]["loss_black"] > 0
