@@ -285,6 +285,11 @@ STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three re
                  "a blue square left of a green circle"]
 
 
+def _coloured(tokens):
+    """(..., C) pixel tokens in [-1, 1] -> (...) 1.0 where some pixel is not black (black is -1)."""
+    return (tokens > -0.5).any(-1).float()
+
+
 @torch.no_grad()
 def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), temperature=0.5, seed=0):
     """Does a pixel-token base model use the canvas? Rendered training-split images with a random
@@ -293,40 +298,41 @@ def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), tempe
     where the image is black or the reverse. A model that reads its neighbours gets better as more
     of the canvas is known; one that has learnt only the prompt's marginal does not.
 
-    Returns {known_frac: {"loss_coloured", "loss_black", "colour_error"}} and "coloured_frac"."""
+    Returns {known_frac: {"loss_coloured", "loss_black", "colour_error"}}, "coloured_frac" and "n_images"."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng(seed), split="train")
     tokens = model.patchify(codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255))  # (B, L, C)
     B, L, C = tokens.shape
-    coloured = (tokens > -0.5).any(-1).float()  # (B, L): some pixel is not black (black is -1)
-    cond = model.condition(prompt_ids=torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])))
+    flat = tokens.reshape(B * L, C)
+    coloured = _coloured(tokens)  # (B, L)
+    cond = model.condition(**train.Prompts(model).condition(metas, tokens.device))
     order = torch.argsort(torch.rand(B, L, generator=g), dim=1)  # the same known positions for every fraction
-    res = {"coloured_frac": coloured.mean().item()}
+
+    def loss(z, sel):  # the training loss on the selected positions (B, L), averaged over 10 noise draws
+        return float(np.mean([model.diffloss(z=z, target=flat, mask=sel.reshape(B * L), generator=g).item()
+                              for _ in range(10)]))
+
+    res = {"coloured_frac": coloured.mean().item(), "n_images": n_images}
     for frac in known_fracs:
         unknown = torch.ones(B, L).scatter_(1, order[:, :int(L * frac)], 0.0)  # (B, L), 1 = unknown
         z = model.predict_z(tokens, unknown, cond).reshape(B * L, -1)  # (B·L, D)
-        flat = tokens.reshape(B * L, C)
-
-        def loss(sel):  # the training loss on the selected positions, averaged over 10 noise draws
-            return float(np.mean([model.diffloss(z=z, target=flat, mask=sel.reshape(B * L), generator=g).item()
-                                  for _ in range(10)]))
         sampled = model.diffloss.sample(z, temperature=temperature, generator=g).reshape(B, L, C)
-        wrong = ((sampled > -0.5).any(-1).float() != coloured).float()  # (B, L)
-        res[frac] = dict(loss_coloured=loss(unknown * coloured), loss_black=loss(unknown * (1 - coloured)),
+        wrong = (_coloured(sampled) != coloured).float()  # (B, L)
+        res[frac] = dict(loss_coloured=loss(z, unknown * coloured), loss_black=loss(z, unknown * (1 - coloured)),
                          colour_error=((wrong * unknown).sum() / unknown.sum()).item())
     return res
 
 
 def run_context_probe(path, args, out):
     model = train.load_policy(args, path)
-    if model.config["vae_stride"] != 1 or not hasattr(model, "text_emb"):
+    if model.config["vae_stride"] != 1 or not train.Prompts(model).text_conditioned:
         raise SystemExit(f"--context-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
     res = context_probe(model, mar.PixelCodec(), temperature=args.temperature)
-    out(f"context probe of {path}: 128 training-split images, {res['coloured_frac']:.1%} of tokens coloured")
+    out(f"context probe of {path}: {res['n_images']} training-split images, {res['coloured_frac']:.1%} of tokens coloured")
     out("  known fraction | diffusion loss, coloured / black unknown tokens | colour error of sampled unknown tokens")
     for frac, r in res.items():
-        if frac != "coloured_frac":
+        if isinstance(frac, float):
             out(f"  {frac:14.1f} | {r['loss_coloured']:.4f} / {r['loss_black']:.4f} | {r['colour_error']:.3f}")
     return res
 
