@@ -1,4 +1,4 @@
-"""Tests of rewards.py: CPU, tiny open_clip models with random weights, no downloads.
+"""Tests of rewards.py and clip_rewards.py: CPU, tiny open_clip models with random weights, no downloads.
 
 A tiny open_clip architecture is registered with `open_clip.add_model_config`; its random weights
 are saved in every supported file format and loaded back through the reward's real path, and the
@@ -6,6 +6,7 @@ reward is compared with the score computed by hand from the in-memory model.
 """
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from torchvision.transforms import InterpolationMode
 
+import clip_rewards
 import rewards
 
 TINY = "rewards-test-tiny"        # 32 px, patch 8, width 32, 2 layers, embed 16
@@ -45,6 +47,37 @@ def tiny_model(seed, name=TINY, logit_scale=None):
     return model
 
 
+def open_clip_to_hf(state_dict):
+    """The inverse of `clip_rewards.convert_pickscore_hf_to_open_clip`: open_clip CLIP keys -> HF
+    `CLIPModel` keys (without `position_ids`). `in_proj` is split into q, k, v by rows. Writes the
+    HF-format test files without `transformers`."""
+    fixed = {oc: hf for hf, oc in clip_rewards._HF_FIXED.items()}
+    layer_map = {oc: hf for hf, oc in clip_rewards._HF_LAYER.items()}
+    out = {}
+    for key, value in state_dict.items():
+        if key in clip_rewards._IGNORED_KEYS:
+            continue
+        if key in fixed:
+            hf = fixed[key]
+            out[hf] = value.t().contiguous() if hf in clip_rewards._TRANSPOSED else value
+            continue
+        for hf_prefix, oc_prefix in clip_rewards._TOWERS.items():
+            m = re.fullmatch(re.escape(oc_prefix) + r"(\d+)\.attn\.in_proj_(weight|bias)", key)
+            if m is not None:
+                layer, param = m.groups()
+                for name, part in zip("qkv", value.chunk(3, dim=0)):           # 3 x (W, W) or (W,)
+                    out[f"{hf_prefix}{layer}.self_attn.{name}_proj.{param}"] = part
+                break
+            m = re.fullmatch(re.escape(oc_prefix) + r"(\d+)\.(.+)\.(weight|bias)", key)
+            if m is not None and m.group(2) in layer_map:
+                layer, module, param = m.groups()
+                out[f"{hf_prefix}{layer}.{layer_map[module]}.{param}"] = value
+                break
+        else:
+            out[key] = value
+    return out
+
+
 def save_weights(model, path, fmt):
     """Save `model` in one of the formats rewards.read_state_dict accepts."""
     sd = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
@@ -59,7 +92,7 @@ def save_weights(model, path, fmt):
             warnings.simplefilter("ignore")
             torch.jit.save(torch.jit.script(model), str(path))
     elif fmt == "hf":                             # PickScore's HF CLIPModel model.safetensors
-        hf = rewards.convert_open_clip_to_pickscore_hf(sd)
+        hf = open_clip_to_hf(sd)
         hf["text_model.embeddings.position_ids"] = torch.arange(77)[None]
         hf["vision_model.embeddings.position_ids"] = torch.arange(17)[None]
         save_file({k: v.contiguous() for k, v in hf.items()}, str(path))
@@ -205,14 +238,14 @@ def test_weighted_sum_and_per_component_means():
 
 def test_resize_longest_side_and_pad_geometry():
     x = torch.ones(2, 3, 16, 32)                                  # wide: pad top and bottom
-    y = rewards.resize_longest_side_and_pad(x, 32)
+    y = clip_rewards.resize_longest_side_and_pad(x, 32)
     assert y.shape == (2, 3, 32, 32)
     assert (y[:, :, :8] == 0).all() and (y[:, :, 24:] == 0).all() and torch.allclose(y[:, :, 8:24], torch.ones(1))
     x = torch.ones(1, 3, 33, 10)                                  # tall, odd pad: extra column right
-    y = rewards.resize_longest_side_and_pad(x, 32)                # -> 32 x 10, pad_w 22 -> 11 + 11
+    y = clip_rewards.resize_longest_side_and_pad(x, 32)                # -> 32 x 10, pad_w 22 -> 11 + 11
     assert (y[..., :11] == 0).all() and (y[..., 21:] == 0).all() and torch.allclose(y[..., 11:21], torch.ones(1))
     x = torch.ones(1, 3, 32, 21)                                  # 32 x 21, pad 11 -> 5 left, 6 right
-    y = rewards.resize_longest_side_and_pad(x, 32)
+    y = clip_rewards.resize_longest_side_and_pad(x, 32)
     assert (y[..., :5] == 0).all() and (y[..., 26:] == 0).all() and (y[..., 5:26] == 1).all()
 
 
@@ -220,7 +253,7 @@ def test_hps_preprocessing_matches_pil_reference():
     """Against HPSv2's PIL pipeline: ResizeMaxSize (bicubic, pad 0, centred) then ToTensor."""
     for h, w in ((40, 24), (24, 56), (64, 64)):
         x = images_batch(3, b=1, h=h, w=w)
-        ours = rewards.resize_longest_side_and_pad(rewards.quantize_8bit(x), 32)[0]
+        ours = clip_rewards.resize_longest_side_and_pad(clip_rewards.quantize_8bit(x), 32)[0]
         pil = Image.fromarray((x[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
         scale = 32 / max(h, w)
         nh, nw = round(h * scale), round(w * scale)
@@ -234,7 +267,7 @@ def test_hps_preprocessing_matches_pil_reference():
 
 def test_center_crop_matches_pil_reference():
     x = images_batch(4, b=1, h=48, w=64)
-    ours = rewards.resize_shortest_side_and_center_crop(rewards.quantize_8bit(x), 32)[0]
+    ours = clip_rewards.resize_shortest_side_and_center_crop(clip_rewards.quantize_8bit(x), 32)[0]
     pil = Image.fromarray((x[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
     ref = TF.to_tensor(TF.center_crop(TF.resize(pil, 32, InterpolationMode.BICUBIC), 32))
     assert ours.shape == ref.shape == (3, 32, 32)
@@ -251,9 +284,9 @@ def test_hpsv2_score_is_cosine(tiny_configs, tmp_path, fmt):
     x = images_batch(0)                                           # (4, 3, 40, 24): non-square, padded
     scores, info = reward(x, PROMPTS, None)
     with torch.no_grad():
-        pixels = rewards.resize_longest_side_and_pad(rewards.quantize_8bit(x), 32)
-        mean = torch.tensor(rewards.OPENAI_MEAN).view(1, 3, 1, 1)
-        std = torch.tensor(rewards.OPENAI_STD).view(1, 3, 1, 1)
+        pixels = clip_rewards.resize_longest_side_and_pad(clip_rewards.quantize_8bit(x), 32)
+        mean = torch.tensor(clip_rewards.OPENAI_MEAN).view(1, 3, 1, 1)
+        std = torch.tensor(clip_rewards.OPENAI_STD).view(1, 3, 1, 1)
         img, txt = hand_features(model, (pixels - mean) / std, PROMPTS)
     expected = cosine(img, txt)
     assert torch.allclose(scores, expected, atol=1e-5), (scores, expected)
@@ -278,7 +311,7 @@ def test_batch_order_does_not_change_scores(tiny_configs, tmp_path):
 
 def test_pickscore_converter_round_trip(tiny_configs):
     sd = tiny_model(4).state_dict()
-    hf = rewards.convert_open_clip_to_pickscore_hf(sd)
+    hf = open_clip_to_hf(sd)
     # HF CLIPModel names (transformers' CLIPModel, layer 0 of each tower shown)
     expected_some = {
         "logit_scale", "text_projection.weight", "visual_projection.weight",
@@ -301,7 +334,7 @@ def test_pickscore_converter_round_trip(tiny_configs):
     assert torch.equal(hf["visual_projection.weight"], sd["visual.proj"].t())     # (D, W) vs (W, D)
     assert torch.equal(hf["text_projection.weight"], sd["text_projection"].t())
     hf["text_model.embeddings.position_ids"] = torch.arange(77)[None]
-    back = rewards.convert_pickscore_hf_to_open_clip(hf)
+    back = clip_rewards.convert_pickscore_hf_to_open_clip(hf)
     assert set(back) == set(sd) - {"attn_mask"}
     assert all(torch.equal(back[k], sd[k]) for k in back)
 
@@ -313,7 +346,7 @@ def test_pickscore_is_logit_scale_times_cosine(tiny_configs, tmp_path):
     x = images_batch(6, h=48, w=40)                               # shortest side 40 -> 32, centre crop
     scores, _ = reward(x, PROMPTS, None)
     with torch.no_grad():
-        pixels = rewards.normalize(rewards.resize_shortest_side_and_center_crop(rewards.quantize_8bit(x), 32))
+        pixels = clip_rewards.normalize(clip_rewards.resize_shortest_side_and_center_crop(clip_rewards.quantize_8bit(x), 32))
         img, txt = hand_features(model, pixels, PROMPTS)
     expected = 50.0 * cosine(img, txt)
     assert torch.allclose(scores, expected, atol=1e-3), (scores, expected)
@@ -326,7 +359,7 @@ def test_clip_score_is_100_cosine(tiny_configs, tmp_path):
     x = images_batch(7, h=32, w=32)
     scores, _ = reward(x, PROMPTS, None)
     with torch.no_grad():
-        img, txt = hand_features(model, rewards.normalize(rewards.quantize_8bit(x)), PROMPTS)
+        img, txt = hand_features(model, clip_rewards.normalize(clip_rewards.quantize_8bit(x)), PROMPTS)
     assert torch.allclose(scores, 100 * cosine(img, txt), atol=1e-3)
     model.text_projection.data.neg_()                             # flips every cosine: no clamp at 0
     path = save_weights(model, tmp_path / "flipped.bin", "plain")
@@ -338,7 +371,7 @@ def test_aesthetic_is_linear_head_on_normalised_embedding(tiny_configs, tmp_path
     model = tiny_model(7)
     clip = save_weights(model, tmp_path / "ViT-L-14.pt", "torchscript")
     torch.manual_seed(8)
-    head = rewards.AestheticMLP(16)
+    head = clip_rewards.AestheticMLP(16)
     torch.save(head.state_dict(), tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
     assert sorted(head.state_dict()) == sorted(f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
     reward = rewards.build_reward("aesthetic", model_name=TINY, weights={
@@ -346,7 +379,7 @@ def test_aesthetic_is_linear_head_on_normalised_embedding(tiny_configs, tmp_path
     x = images_batch(9, h=40, w=40)
     scores, _ = reward(x, PROMPTS, None)
     with torch.no_grad():
-        pixels = rewards.normalize(rewards.resize_shortest_side_and_center_crop(rewards.quantize_8bit(x), 32))
+        pixels = clip_rewards.normalize(clip_rewards.resize_shortest_side_and_center_crop(clip_rewards.quantize_8bit(x), 32))
         e = model.encode_image(pixels)
         e = e / e.norm(dim=-1, keepdim=True)
         h = e
