@@ -118,7 +118,7 @@ class SimpleMLPAdaLN(nn.Module):
 
     forward(x, t, c):
         x: (N, C_in) noisy tokens x^t
-        t: (N,) original diffusion timesteps (0 … 999)
+        t: (N,) original diffusion timesteps (0 … 999), or one 0-dim timestep for all rows
         c: (N, D) condition vectors z from the MAR decoder
     returns (N, C_out) = [ε̂ (C_in) | v (C_in)] for the learned-range variance.
     """
@@ -159,24 +159,14 @@ class SimpleMLPAdaLN(nn.Module):
 
     def forward(self, x, t, c):
         x = self.input_proj(x)
-        t_unique, inverse = torch.unique(t, return_inverse=True)  # sampling: one t for all rows
-        y = self.time_embed(t_unique)[inverse] + self.cond_embed(c)  # (N, W); the time MLP once per t
+        # a 0-dim t (sampling: one step for all rows) runs the time MLP once; no host sync either way
+        y = self.time_embed(t.reshape(-1)) + self.cond_embed(c)  # (N, W), or (1, W) broadcast + (N, W)
         for block in self.res_blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, y, use_reentrant=False)
             else:
                 x = block(x, y)
         return self.final_layer(x, y)
-
-    def forward_with_cfg(self, x, t, c, cfg_scale):
-        """The official CFG call: x (2N, C) with identical halves, c (2N, D) = [cond; null].
-        Returns (2N, 2C) whose ε channels are guided in both halves."""
-        half = x[: len(x) // 2]
-        model_out = self.forward(torch.cat([half, half], dim=0), t, c)
-        eps, rest = model_out[:, :self.in_channels], model_out[:, self.in_channels:]
-        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)
 
 
 # -----------------------------------------------------------------------------
@@ -278,6 +268,25 @@ def transition_logprob(x_prev, mean, std):
     return -((x_prev - mean) ** 2) / (2 * std ** 2) - torch.log(std) - LOG_SQRT_2PI
 
 
+def transition_mean(head, x_t, steps, z, z_null, w):
+    """μ of recorded transitions, differentiable in z and the head (any head with the
+    `p_mean_variance` contract of DiffLoss: MAR's, Harmon's, NOVA's).
+
+    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: (K,) sampling steps;
+    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance.
+    returns μ: (K, *rows, C)
+    """
+    K, C = x_t.shape[0], x_t.shape[-1]
+    n = x_t[0, ..., 0].numel()  # rows per diffusion step
+    z_rows = z.reshape(n, -1)  # (n, D)
+    if z_null is not None:
+        z_rows = torch.cat([z_rows, z_null.reshape(n, -1)])  # (2n, D) = [cond; null]
+    # one call per diffusion step with a 0-dim step, as the sampler makes it: the same arithmetic,
+    # so recomputed and recorded log-probabilities agree to float rounding (SPEC §2)
+    mean = [head.p_mean_variance(x_t[k].reshape(n, C), steps[k], z_rows, w)[0] for k in range(K)]
+    return torch.stack(mean).reshape(x_t.shape)
+
+
 def trainable_steps(num_steps):
     """Sampling steps k whose transitions RL may train: 1 … T−2.
 
@@ -322,6 +331,10 @@ class DiffLoss(nn.Module):
     def num_sampling_steps(self):
         return self.gen_schedule.num_steps
 
+    def trainable_steps(self):
+        """The sampling steps RL may train (the policy interface; see `trainable_steps`)."""
+        return trainable_steps(self.num_sampling_steps)
+
     def forward(self, target, z, mask=None, generator=None):
         """The official training loss: ε-MSE + variational-bound term (bits) for the variance.
 
@@ -360,10 +373,12 @@ class DiffLoss(nn.Module):
             return mean, log_variance, pred_x0
         sched = self.gen_schedule
         n, c = x_t.shape
-        k = torch.as_tensor(t, device=x_t.device).long().expand(n)
+        k = torch.as_tensor(t, device=x_t.device).long()  # () or (N,)
         guided = z.shape[0] == 2 * n
         x_in = torch.cat([x_t, x_t], dim=0) if guided else x_t  # (N or 2N, C)
-        out = self.net(x_in, sched.timesteps[k].repeat(2 if guided else 1), z)  # (N or 2N, 2C)
+        t_net = sched.timesteps[k] if k.dim() == 0 else sched.timesteps[k].repeat(2 if guided else 1)
+        out = self.net(x_in, t_net, z)  # (N or 2N, 2C)
+        k = k.expand(n)  # (N,)
         eps, v = out[:n, :c], out[:n, c:]  # conditional rows; v is never guided
         if guided:
             w = torch.as_tensor(cfg, dtype=x_t.dtype, device=x_t.device).reshape(-1, 1)

@@ -34,7 +34,7 @@ import torch
 
 @dataclass
 class GRPOConfig:
-    """Everything the objective needs to know; `PRESETS` name the paper's variants (SPEC §7)."""
+    """Everything the objective needs to know; `METHODS` name the paper's variants (SPEC §7)."""
     beta: float = 0.01            # KL weight β
     kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"
     clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
@@ -66,7 +66,7 @@ class GRPOConfig:
 
 
 # the variants the paper compares (SPEC §7); every field can still be overridden by its flag
-PRESETS = {
+METHODS = {
     "grpo": dict(train_head=True, mte_seeds=0, tau=None),
     "grpo-fixed-head": dict(train_head=False, mte_seeds=0, tau=None),
     "mar-grpo": dict(train_head=False, mte_seeds=3, top_k=0.3, tau=0.0),

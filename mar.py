@@ -7,15 +7,13 @@ so official checkpoints load with `strict=True`:
   fills every position with a mask token where unknown and outputs z (B, L, D) per position;
 - the diffusion head (diffloss.py) turns z into tokens.
 Generation (`sample_tokens`) runs N steps over a random order; after step i the number of
-unknown tokens is floor(L cos(π/2 (i+1)/N)), at least one token a step.
+unknown tokens is floor(L cos(π/2 (i+1)/N)), at least one token a step (`ar_schedule`).
 
 What this file adds or changes, in order of importance:
-1. Rollout recording for RL (SPEC §3). `sample_tokens(..., plan=RolloutPlan)` records, for each
-   chosen AR step i only: the canvas, the masks K_i/U_i/P_i, the head's chosen transitions on
-   *all* unknown positions U_i, and the previews x̂0 of steps i and i−1; after the last step the
-   final tokens and, per position, the z it was generated from. Memory scales with the number of
-   chosen steps. The released trainers run the head on all L positions at kept steps; running it
-   on U_i gives the same distribution for less work.
+1. The policy interface of rollout.py (`condition`, `null_condition_like`, `predict_z`,
+   `ar_schedule`, `sample_orders`, the head `diffloss`), so the model-agnostic recorder and loss
+   drive this MAR as they drive Harmon and NOVA. `sample_tokens` stays the plain official loop;
+   RL recording lives in rollout.py, not here.
 2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
    first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
    condition of classifier-free guidance. The class path is unchanged.
@@ -24,15 +22,19 @@ What this file adds or changes, in order of importance:
    (the official code uses global numpy state and `.cuda()`).
 4. With the same orders and noise, `sample_tokens` computes what the official code computes in
    eval mode (tested against an independent transcription of the official loop).
+5. `local_conv=k` (small models only; 0, the official architecture, by default): a zero-initialised
+   k×k convolution over the decoder's token grid, added to the decoder's input after its position
+   embedding (mask tokens and encoded known tokens in place). Measured on the shapes world: the
+   small MAR trained for minutes on a CPU does not learn which tokens are neighbours from learned
+   position embeddings, so its z ignores the canvas around a position; this prior gives it that
+   locality at once (README, "The demo's base"). Official models never set it, and their
+   checkpoints load and compute exactly as before.
 
 Image <-> token codecs (pixel patches; the KL-16 VAE through diffusers) and checkpoint loading
 (official `.pth` and ours) live at the end of the file.
 """
 
-import argparse
 import math
-import os
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -41,18 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from timm.models.vision_transformer import Block
 from tqdm import tqdm
 
+from checkpoints import check_state_dict, read_checkpoint
 from diffloss import DiffLoss
-
-
-@dataclass
-class RolloutPlan:
-    """Which steps of one rollout are recorded for training (SPEC §3), chosen before it starts.
-
-    ar_steps: sorted AR step indices i in [0, N); diff_steps: sampling-step indices k of the head
-    (1 … T−1; step 0 is deterministic) recorded at every chosen AR step.
-    """
-    ar_steps: list
-    diff_steps: torch.Tensor
 
 
 def unknown_after_step(step, num_iter, seq_len, num_unknown):
@@ -79,7 +71,7 @@ class MAR(nn.Module):
                  vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
                  attn_dropout=0.1, proj_dropout=0.1, buffer_size=64,
                  diffloss_d=3, diffloss_w=1024, num_sampling_steps='100', diffusion_batch_mul=4,
-                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False):
+                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0):
         super().__init__()
         norm_eps = norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
@@ -91,7 +83,8 @@ class MAR(nn.Module):
             label_drop_prob=label_drop_prob, class_num=class_num, attn_dropout=attn_dropout,
             proj_dropout=proj_dropout, buffer_size=buffer_size, diffloss_d=diffloss_d, diffloss_w=diffloss_w,
             num_sampling_steps=str(num_sampling_steps), diffusion_batch_mul=diffusion_batch_mul,
-            grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised)
+            grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised,
+            local_conv=local_conv)
 
         # tokens
         self.vae_embed_dim = vae_embed_dim
@@ -131,8 +124,14 @@ class MAR(nn.Module):
                   proj_drop=proj_dropout, attn_drop=attn_dropout) for _ in range(decoder_depth)])
         self.decoder_norm = norm_layer(decoder_embed_dim)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, decoder_embed_dim))
+        self.local_conv = local_conv
+        if local_conv:  # not in the official MAR: see the module docstring, item 5
+            self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv, padding=local_conv // 2)
 
         self.initialize_weights()
+        if local_conv:  # zero-initialised: the model starts as the official one
+            nn.init.zeros_(self.decoder_local_conv.weight)
+            nn.init.zeros_(self.decoder_local_conv.bias)
 
         # diffusion head
         self.diffloss = DiffLoss(target_channels=self.token_embed_dim, z_channels=decoder_embed_dim,
@@ -266,6 +265,8 @@ class MAR(nn.Module):
         x_after_pad = self.mask_token.repeat(mask_with_buffer.shape[0], mask_with_buffer.shape[1], 1).to(x.dtype)
         x_after_pad[(1 - mask_with_buffer).nonzero(as_tuple=True)] = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
         x = x_after_pad + self.decoder_pos_embed_learned  # (B, buffer+L, D)
+        if self.local_conv:  # a local prior on the token grid (small models only)
+            x = torch.cat([x[:, :self.buffer_size], x[:, self.buffer_size:] + self.grid_conv(x[:, self.buffer_size:])], dim=1)
 
         for block in self.decoder_blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
@@ -273,6 +274,13 @@ class MAR(nn.Module):
 
         x = x[:, self.buffer_size:]  # (B, L, D)
         return x + self.diffusion_pos_embed_learned
+
+    def grid_conv(self, x):
+        """The decoder's local prior: x (B, L, D) image positions -> (B, L, D), a k×k convolution
+        over the (h, w) token grid (mask tokens and encoded known tokens alike)."""
+        bsz, seq_len, dim = x.shape
+        grid = x.transpose(1, 2).reshape(bsz, dim, self.seq_h, self.seq_w)  # (B, D, h, w)
+        return self.decoder_local_conv(grid).flatten(2).transpose(1, 2)  # (B, L, D)
 
     def predict_z(self, tokens, mask, cond):
         """z (B, L, D) for a canvas: tokens (B, L, C_tok), mask (B, L) 1 = unknown, cond (B, [S,] D)."""
@@ -306,51 +314,43 @@ class MAR(nn.Module):
     # -------------------------------------------------------------------------
     # generation
 
+    def ar_schedule(self, num_iter, seq_len):
+        """Tokens written at each of the N AR steps (the cosine schedule of `unknown_after_step`)."""
+        counts, num_unknown = [], seq_len
+        for step in range(num_iter):
+            n_next = unknown_after_step(step, num_iter, seq_len, num_unknown)
+            counts.append(num_unknown - n_next)
+            num_unknown = n_next
+        return counts
+
     @torch.no_grad()
     def sample_tokens(self, bsz, num_iter=64, cfg=1.0, cfg_schedule="linear", labels=None, temperature=1.0,
-                      progress=False, generator=None, prompt_ids=None, orders=None, plan=None):
-        """Generate latent images (SPEC §1), optionally recording a rollout (SPEC §3).
+                      progress=False, generator=None, prompt_ids=None, orders=None):
+        """Generate latent images (SPEC §1): the official loop, without RL recording (rollout.py).
 
         bsz: images; num_iter: AR steps N; cfg: guidance w (the batch is doubled internally when
         w != 1); cfg_schedule: "linear" (w rises with the fraction generated, as Muse) or
         "constant"; labels: (B,) classes or prompt_ids: (B, S) (neither = unconditional);
-        temperature: τ of the head's noise; orders: optional (B, L) generation orders;
-        plan: a RolloutPlan to record.
-        returns (B, C, H, W) latent images, and the rollout record (a dict) when plan is given:
-            orders (B, L); tokens (B, L, C) final; z_final (B, L, D) [z_final_null with CFG];
-            cfg_final (B, L) the w each token was sampled with; steps: a list, per chosen AR
-            step, of dicts with i, tokens (B, L, C) canvas, mask (B, L) U_i, pred (B, L) P_i,
-            unk_idx (B, n) positions of U_i, cfg (float), x_t / x_prev / std / logp
-            (K, B, n, C), diff_steps (K,), preview (B, L, C), preview_prev (B, L, C) or None.
+        temperature: τ of the head's noise; orders: optional (B, L) generation orders.
+        returns (B, C, H, W) latent images.
         """
         device = self.fake_latent.device
         L, C = self.seq_len, self.token_embed_dim
-        guided = cfg != 1.0
         mask = torch.ones(bsz, L, device=device)
         tokens = torch.zeros(bsz, L, C, device=device)
         orders = self.sample_orders(bsz, generator) if orders is None else orders.to(device)
         cond = self.condition(labels, prompt_ids, bsz)
-        if guided:
+        if cfg != 1.0:
             cond = torch.cat([cond, self.null_condition_like(cond)], dim=0)  # (2B, [S,] D)
 
-        chosen = set(plan.ar_steps) if plan is not None else set()
-        need_preview = chosen | {i - 1 for i in chosen if i >= 1}
-        record = None
-        if plan is not None:
-            record = dict(orders=orders, steps=[], cfg_final=torch.ones(bsz, L, device=device),
-                          z_final=torch.zeros(bsz, L, self.diffloss.net.cond_embed.in_features, device=device))
-            if guided:
-                record["z_final_null"] = torch.zeros_like(record["z_final"])
-        previews = {}
-
         num_unknown = L
-        for step in tqdm(range(num_iter), disable=not progress):
-            x = torch.cat([tokens, tokens], dim=0) if guided else tokens
-            m = torch.cat([mask, mask], dim=0) if guided else mask
+        for step, count in enumerate(tqdm(self.ar_schedule(num_iter, L), disable=not progress)):
+            x = torch.cat([tokens, tokens], dim=0) if cfg != 1.0 else tokens
+            m = torch.cat([mask, mask], dim=0) if cfg != 1.0 else mask
             z = self.forward_mae_decoder(self.forward_mae_encoder(x, m, cond), m)  # (B or 2B, L, D)
 
-            # the schedule: which positions stay unknown after this step
-            n_next = unknown_after_step(step, num_iter, L, num_unknown)
+            # the positions that stay unknown after this step: the first n_next of each order
+            n_next = num_unknown - count
             mask_next = torch.zeros(bsz, L, device=device).scatter(1, orders[:, :n_next], 1.0)
             mask_to_pred = mask.bool() & ~mask_next.bool()  # (B, L) P_i
             if cfg_schedule == "linear":  # the official code uses max(n_next, 1) here
@@ -360,47 +360,14 @@ class MAR(nn.Module):
             else:
                 raise NotImplementedError(cfg_schedule)
 
-            # which positions the head samples: P_i, or all of U_i at recorded / preview steps
-            full = step in need_preview
-            head_mask = mask.bool() if full else mask_to_pred  # (B, L)
-            idx = head_mask.nonzero(as_tuple=True)
+            idx = mask_to_pred.nonzero(as_tuple=True)
             z_head = z[:bsz][idx]  # (M, D)
-            if guided:
+            if cfg != 1.0:
                 z_head = torch.cat([z_head, z[bsz:][idx]], dim=0)  # (2M, D) = [cond; null]
-            if step in chosen:
-                sampled, traj = self.diffloss.sample(z_head, temperature, cfg_iter, generator,
-                                                     record_steps=plan.diff_steps)
-            else:
-                sampled = self.diffloss.sample(z_head, temperature, cfg_iter, generator)  # (M, C)
-
-            new_tokens = tokens.clone()
-            if full:
-                canvas = tokens.clone()
-                canvas[idx] = sampled  # the preview x̂0: known tokens + the head's result on U_i
-                previews[step] = canvas
-                new_tokens[mask_to_pred] = canvas[mask_to_pred]
-            else:
-                new_tokens[idx] = sampled
-
-            if record is not None:
-                record["z_final"][mask_to_pred] = z[:bsz][mask_to_pred]
-                if guided:
-                    record["z_final_null"][mask_to_pred] = z[bsz:][mask_to_pred]
-                record["cfg_final"][mask_to_pred] = float(cfg_iter)
-                if step in chosen:
-                    n = num_unknown
-                    record["steps"].append(dict(
-                        i=step, tokens=tokens, mask=mask.bool(), pred=mask_to_pred,
-                        unk_idx=idx[1].reshape(bsz, n), cfg=float(cfg_iter),
-                        diff_steps=traj["steps"],
-                        **{key: traj[key].reshape(-1, bsz, n, C) for key in ("x_t", "x_prev", "std", "logp")},
-                        preview=previews[step], preview_prev=previews.get(step - 1)))
-            tokens, mask, num_unknown = new_tokens, mask_next, n_next
-
-        if record is not None:
-            record["tokens"] = tokens
-        images = self.unpatchify(tokens)
-        return (images, record) if plan is not None else images
+            tokens = tokens.clone()
+            tokens[idx] = self.diffloss.sample(z_head, temperature, cfg_iter, generator).to(tokens.dtype)  # (M, C)
+            mask, num_unknown = mask_next, n_next
+        return self.unpatchify(tokens)
 
 
 def mar_base(**kwargs):
@@ -437,19 +404,6 @@ def build_mar(config):
 # -----------------------------------------------------------------------------
 # Checkpoints: official MAR `.pth` files and this project's own
 
-def read_checkpoint(path, flag="--init"):
-    """torch.load(weights_only=True) with `argparse.Namespace` allowed (official files pickle their
-    args); a missing, truncated or foreign file raises a one-line error naming `flag` and path."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag}: no such file: {path}")
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt, truncated, or not a torch file
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{flag} {path}: cannot read checkpoint ({type(e).__name__}: {reason})") from None
-
-
 def mar_config_from_state_dict(sd, args=None):
     """Infer MAR constructor arguments from an official state dict's shapes (and its pickled
     args when present). Head counts are not in the shapes: the official models use 64-dim heads
@@ -477,19 +431,6 @@ def mar_config_from_state_dict(sd, args=None):
         num_sampling_steps=str(get("num_sampling_steps", "100")),
         text_vocab_size=sd["text_emb.weight"].shape[0] if "text_emb.weight" in sd else 0,
     )
-
-
-def check_state_dict(model, sd, path, flag="--init"):
-    """Raise a one-line ValueError naming the first keys where `sd` does not fit `model`."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
-             if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or wrong:
-        parts = [f"{name} {items[:3]}" for name, items in
-                 (("missing", missing), ("unexpected", unexpected), ("wrong shape (file vs model)", wrong)) if items]
-        raise ValueError(f"{flag} {path}: checkpoint does not fit the model: " + "; ".join(parts))
 
 
 def load_checkpoint(path, ema=True, model=None, flag="--init", **overrides):

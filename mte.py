@@ -27,6 +27,8 @@ What the paper says, what the released code does, and what this file does:
 
 import torch
 
+from diffloss import transition_logprob, transition_mean
+
 
 @torch.no_grad()
 def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num_seeds, diff_steps, generator=None):
@@ -52,28 +54,39 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
     return out
 
 
-def gather_positions(seeds, unk_idx):
-    """The seed trajectories at the unknown positions of one AR step (the packed layout).
+def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
+    """ℓ_θ of the seed trajectories at one trained AR step, evaluated under that step's z_i
+    (SPEC §4, item 2 above), dense over U_i.
 
-    seeds: dict from `sample_trajectories`; unk_idx: (B, n) positions of U_i
-    returns dict x_t, x_prev, std: (S, K, B, n, C)
+    head: the policy's head; seeds: dict from `sample_trajectories`; step: a rollout.StepRecord
+    (unk_idx (B, n), diff_steps (K,)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
+    without guidance); w: guidance; uncertain: (B, n) bool M_unc on U_i.
+    returns ℓ^(s): (S, K, B, n, C). Only the uncertain positions are evaluated (the cost scales with
+    k%); elsewhere ℓ^(s) is 0 without gradient, and `mte_policy_term` never selects it.
     """
-    out = {}
-    for key in ("x_t", "x_prev", "std"):
-        S, K, B, L, C = seeds[key].shape
-        idx = unk_idx[None, None, :, :, None].expand(S, K, B, unk_idx.shape[1], C)
-        out[key] = seeds[key].gather(3, idx)  # (S, K, B, n, C)
-    return out
+    S, K, B, L, C = seeds["x_t"].shape
+    n = step.unk_idx.shape[1]
+    idx = step.unk_idx[None, None, :, :, None].expand(S, K, B, n, C)
+    x_t, x_prev, std = (seeds[key].gather(3, idx) for key in ("x_t", "x_prev", "std"))  # (S, K, B, n, C)
+    sel = uncertain[None, None].expand(S, K, B, n)  # (S, K, B, n)
+    N_u = int(uncertain.sum())  # positions with MTE in this step (a host sync, once per AR step)
+    logp = torch.zeros(S, K, B, n, C, device=x_t.device)
+    if N_u == 0:
+        return logp
+    x_t_u = x_t[sel].reshape(S, K, N_u, C).transpose(0, 1)  # (K, S, N_u, C)
+    z_u = z[uncertain].expand(S, N_u, z.shape[-1])  # (S, N_u, D)
+    z_null_u = None if z_null is None else z_null[uncertain].expand(S, N_u, z.shape[-1])
+    mean_u = transition_mean(head, x_t_u, step.diff_steps, z_u, z_null_u, w).transpose(0, 1)  # (S, K, N_u, C)
+    logp_u = transition_logprob(x_prev[sel].reshape(S, K, N_u, C), mean_u, std[sel].reshape(S, K, N_u, C))
+    return logp.masked_scatter(sel[..., None].expand_as(logp), logp_u)
 
 
 def mte_policy_term(term_rollout, term_seeds, uncertain):
-    """(1 − M) · term_rollout + M · mean_s term_seeds, per element.
+    """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element (SPEC §4).
 
-    term_rollout: (K, B, n, C) surrogate of the rollout trajectory;
-    term_seeds: (S, K, N_u, C) surrogates of the seed trajectories at the uncertain positions
-      only, in the order of `uncertain.nonzero()`; uncertain: (B, n) bool M_unc on U_i.
+    term_rollout: (K, B, n, C) surrogate ρ⁽⁰⁾A of the rollout trajectory;
+    term_seeds: (S, K, B, n, C) surrogates ρ⁽ˢ⁾A of the S seed trajectories (same advantages);
+    uncertain: (B, n) bool M_unc on U_i.
     returns (K, B, n, C)
     """
-    out = term_rollout.clone()
-    out[:, uncertain] = term_seeds.mean(dim=0)  # (K, N_u, C)
-    return out
+    return torch.where(uncertain[None, :, :, None], term_seeds.mean(dim=0), term_rollout)

@@ -1,7 +1,7 @@
-"""The MAR policy under GRPO: evaluate a recorded rollout with the current weights and form the
-loss of one trained AR step (SPEC §2–§6). This is where mar.py (z from the transformer),
-diffloss.py (the head's transition Gaussians), mte.py, masks.py and grpo.py meet; the training
-loop in train.py only calls `rollout_loss`.
+"""The policy under GRPO: evaluate a recorded rollout with the current weights and form the loss
+of one trained AR step (SPEC §2–§6). Model-agnostic: it calls only the policy interface of
+rollout.py (MAR, Harmon and NOVA implement it). This is where z from the model, the head's
+transition Gaussians, mte.py, masks.py and grpo.py meet; train.py only calls `rollout_loss`.
 
 Layout: at AR step i the record holds the n = |U_i| unknown positions of each image, packed as
 (B, n) (`unk_idx`), and K chosen diffusion steps, so per-element tensors are (K, B, n, C).
@@ -15,8 +15,8 @@ What this file decides, and why:
    recomputes without guidance from the conditional z alone, as the released Harmon trainer does
    although it sampled with guidance (then ℓ no longer matches the recorded value).
 3. The reference policy of the KL runs the same computation without gradients.
-4. MTE terms are evaluated only at the uncertain unknown positions (flat over them), so their
-   cost scales with k%, not with L. `--mte-positions predicted` restricts them further to the
+4. MTE terms are evaluated only at the uncertain unknown positions, so their cost scales with
+   k%, not with L (mte.seed_logprobs), then combined densely (mte.mte_policy_term). `--mte-positions predicted` restricts them further to the
    tokens written at this step, P_i, the only positions whose z_final is this step's z_i; on
    U_i outside P_i the seeds come from the z of a later step, which the released code (and the
    default here) evaluates under z_i anyway (see mte.py, item 2, and the README's study).
@@ -27,107 +27,82 @@ import torch
 import grpo
 import masks
 import mte
-from diffloss import transition_logprob
+from diffloss import transition_logprob, transition_mean
+from rollout import cat_rows
 
 
-def recompute_z(model, step, condition, guided):
-    """z at the unknown positions of a recorded canvas.
+def recompute_z(model, step, inputs, guided):
+    """z at the unknown positions of a recorded canvas, differentiable in the model.
 
-    model: MAR; step: one entry of record["steps"]; condition: dict(labels=(B,)) or
-    dict(prompt_ids=(B, S)) (or empty: unconditional), embedded by `model` itself;
-    guided: also return the null-condition z (for CFG).
+    model: implements rollout.py's policy interface; step: a rollout.StepRecord; inputs: the
+    rollout's condition inputs (embedded by `model` itself); guided: also return the null z.
     returns z (B, n, D) and z_null (B, n, D) or None
     """
-    tokens, mask = step["tokens"], step["mask"].to(step["tokens"].dtype)  # (B, L, C), (B, L)
+    tokens, mask = step.tokens, step.unknown.to(step.tokens.dtype)  # (B, L, C), (B, L)
     bsz = tokens.shape[0]
-    cond = model.condition(bsz=bsz, **condition)  # (B, D) or (B, S, D)
+    cond = model.condition(**inputs)
     if guided:
         tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])
-        cond = torch.cat([cond, model.null_condition_like(cond)])
-    z = model.predict_z(tokens, mask, cond)  # (B or 2B, L, D)
-    idx = step["unk_idx"][..., None].expand(-1, -1, z.shape[-1])  # (B, n, D)
+        cond = cat_rows(cond, model.null_condition_like(cond))
+    z = model.predict_z(tokens, mask, cond).float()  # (B or 2B, L, D)
+    idx = step.unk_idx[..., None].expand(-1, -1, z.shape[-1])  # (B, n, D)
     z_cond = z[:bsz].gather(1, idx)
     return z_cond, (z[bsz:].gather(1, idx) if guided else None)
 
 
-def transition_mean(head, x_t, steps, z, z_null, cfg):
-    """μ of recorded transitions, differentiable in z and the head.
-
-    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (N,)); steps: (K,) sampling steps;
-    z, z_null: (*rows, D) conditions (z_null None without guidance); cfg: w.
-    returns μ: (K, *rows, C)
-    """
-    K, C = x_t.shape[0], x_t.shape[-1]
-    n = x_t[0, ..., 0].numel()  # rows per diffusion step
-    z_rows = z.reshape(n, -1).repeat(K, 1)  # (K·n, D), row kk·n + j holds z_j
-    if z_null is not None:
-        z_rows = torch.cat([z_rows, z_null.reshape(n, -1).repeat(K, 1)])  # (2·K·n, D)
-    mean, _, _ = head.p_mean_variance(x_t.reshape(K * n, C), steps.repeat_interleave(n), z_rows, cfg)
-    return mean.reshape(x_t.shape)
-
-
-def rollout_loss(model, ref_model, record, j, condition, adv, cfg, seeds=None, uncertain=None, old=None):
+def rollout_loss(model, ref_model, rollout, j, inputs, adv, cfg, seeds=None, uncertain=None, old=None):
     """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (grpo.ar_step_objective).
 
-    model / ref_model: the policy and the frozen reference (MAR); record: from
-    `MAR.sample_tokens(plan=...)`; j: index into record["steps"]; condition: dict(labels=...) or
-    dict(prompt_ids=...) of the rollout's images; adv: (B,) advantages; cfg: grpo.GRPOConfig; seeds: MTE trajectories
-    from `mte.sample_trajectories` (or None); uncertain: (B, L) bool M_unc (or None);
+    model / ref_model: the policy and the frozen reference (the policy interface of rollout.py);
+    rollout: a rollout.Rollout; j: index into rollout.steps; inputs: the rollout's condition
+    inputs; adv: (B,) advantages; cfg: grpo.GRPOConfig; seeds: MTE trajectories from
+    `mte.sample_trajectories` (or None); uncertain: (B, L) bool M_unc (or None);
     old: this step's ℓ_old from the first inner epoch (None in the first epoch).
-    returns (loss, stats dict of floats, old for later epochs)
+    returns (loss, stats: dict of 0-dim tensors, detached (no host sync here), old for later epochs)
     """
-    step = record["steps"][j]
-    guided = "z_final_null" in record and cfg.train_cfg == "rollout"
-    w = step["cfg"] if guided else 1.0
-    steps = step["diff_steps"]
+    step = rollout.steps[j]
+    guided = rollout.z_final_null is not None and cfg.train_cfg == "rollout"
+    w = step.cfg if guided else 1.0
     clip = cfg.clip_eps if cfg.inner_epochs > 1 else None
     A = adv[None, :, None, None]  # (1, B, 1, 1)
 
     # the rollout trajectory: ℓ_θ per element, (K, B, n, C)
-    z, z_null = recompute_z(model, step, condition, guided)
-    mean = transition_mean(model.diffloss, step["x_t"], steps, z, z_null, w)
-    logp = transition_logprob(step["x_prev"], mean, step["std"])
+    z, z_null = recompute_z(model, step, inputs, guided)
+    mean = transition_mean(model.diffloss, step.x_t, step.diff_steps, z, z_null, w)
+    logp = transition_logprob(step.x_prev, mean, step.std)
     logp_old = logp.detach() if old is None else old["logp"]
     pi_term, ratio = grpo.policy_surrogate(logp, logp_old, A, clip)
     new_old = {"logp": logp_old}
-    stats = {"logp_parity_err": (logp.detach() - step["logp"]).abs().max().item()}  # .item() syncs
+    stats = {"logp_parity_err": (logp.detach() - step.logp).abs().max()}
 
-    # multi-trajectory expectation on the uncertain unknown positions
+    # multi-trajectory expectation on the uncertain unknown positions (mte.py)
     if seeds is not None:
-        unc = uncertain.gather(1, step["unk_idx"])  # (B, n) M_unc on U_i
+        unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
         if cfg.mte_positions == "predicted":  # only where the seeds' z_final is this step's z_i
-            unc = unc & step["pred"].gather(1, step["unk_idx"])
-        stats["uncertain_frac"] = unc.float().mean().item()
-        if unc.any():
-            traj = mte.gather_positions(seeds, step["unk_idx"])  # (S, K, B, n, C)
-            S, K = traj["x_t"].shape[:2]
-            x_t, x_prev, std = (traj[key][:, :, unc] for key in ("x_t", "x_prev", "std"))  # (S, K, N_u, C)
-            mean_s = transition_mean(model.diffloss, x_t.flatten(0, 1), steps.repeat(S), z[unc],
-                                     None if z_null is None else z_null[unc], w).reshape(x_t.shape)
-            logp_s = transition_logprob(x_prev, mean_s, std)  # (S, K, N_u, C)
-            logp_s_old = logp_s.detach() if old is None else old["logp_seeds"]
-            A_s = adv[unc.nonzero()[:, 0]][None, None, :, None]  # (1, 1, N_u, 1)
-            term_s, _ = grpo.policy_surrogate(logp_s, logp_s_old, A_s, clip)
-            pi_term = mte.mte_policy_term(pi_term, term_s, unc)
-            new_old["logp_seeds"] = logp_s_old
+            unc = unc & step.pred.gather(1, step.unk_idx)
+        logp_s = mte.seed_logprobs(model.diffloss, seeds, step, z, z_null, w, unc)  # (S, K, B, n, C)
+        logp_s_old = logp_s.detach() if old is None else old["logp_seeds"]
+        term_s, _ = grpo.policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
+        pi_term = mte.mte_policy_term(pi_term, term_s, unc)
+        new_old["logp_seeds"] = logp_s_old
+        stats["uncertain_frac"] = unc.float().mean()
 
     # consistency-aware token selection: W on the unknown positions
-    keep = masks.consistency_mask(step["preview"], step["preview_prev"], record["tokens"],
-                                  step["mask"], step["pred"], cfg.tau).gather(1, step["unk_idx"])  # (B, n)
-    stats["keep_frac"] = keep.float().mean().item()
+    keep = masks.consistency_mask(step.preview, step.preview_prev, rollout.tokens,
+                                  step.unknown, step.pred, cfg.tau).gather(1, step.unk_idx)  # (B, n)
+    stats["keep_frac"] = keep.float().mean()
 
     # KL to the reference policy, on the rollout trajectory over all of U_i
     kl = None
     if cfg.beta > 0:
         with torch.no_grad():
-            z_ref, z_ref_null = recompute_z(ref_model, step, condition, guided)
-            mean_ref = transition_mean(ref_model.diffloss, step["x_t"], steps, z_ref, z_ref_null, w)
-            logp_ref = transition_logprob(step["x_prev"], mean_ref, step["std"])
-        kl = grpo.kl_term(cfg.kl, mean, mean_ref, step["std"], logp, logp_ref)
+            z_ref, z_ref_null = recompute_z(ref_model, step, inputs, guided)
+            mean_ref = transition_mean(ref_model.diffloss, step.x_t, step.diff_steps, z_ref, z_ref_null, w)
+            logp_ref = transition_logprob(step.x_prev, mean_ref, step.std)
+        kl = grpo.kl_term(cfg.kl, mean, mean_ref, step.std, logp, logp_ref)
 
     loss, p, k = grpo.ar_step_objective(pi_term, keep, kl, cfg.beta)
-    stats.update(policy_term=p.item(), kl=k.item(), ratio_max_dev=(ratio - 1).abs().max().item())
+    stats.update(policy_term=p.detach(), kl=k.detach(), ratio_max_dev=(ratio.detach() - 1).abs().max())
     if clip is not None:
-        stats["clip_frac"] = ((ratio - 1).abs() > clip).float().mean().item()
+        stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
     return loss, stats, new_old
-

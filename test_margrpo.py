@@ -2,6 +2,7 @@
 sign, mask or index would break. Sections follow the files: diffloss, mar, ..."""
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -129,8 +130,20 @@ def test_cfg_guides_only_eps_channels():
     for a, b in zip((mean, log_var, x0), ref):
         torch.testing.assert_close(a, b)
     # the official net-level CFG call gives the same guided ε
-    off = head.net.forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([zc, zu]), w)
+    off = official_forward_with_cfg(head.net, torch.cat([x, x]), torch.cat([t, t]), torch.cat([zc, zu]), w)
     torch.testing.assert_close(off[:3, :48], eps)
+
+
+def official_forward_with_cfg(net, x, t, c, cfg_scale):
+    """The official net-level CFG call (`SimpleMLPAdaLN.forward_with_cfg`), transcribed: x (2N, C)
+    with identical halves, c (2N, D) = [cond; null]; (2N, 2C) with the ε channels guided in both
+    halves and the variance channels of each half unguided."""
+    half = x[: len(x) // 2]
+    out = net(torch.cat([half, half]), t, c)
+    eps, rest = out[:, :net.in_channels], out[:, net.in_channels:]
+    cond_eps, uncond_eps = torch.split(eps, len(eps) // 2)
+    half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+    return torch.cat([torch.cat([half_eps, half_eps]), rest], dim=1)
 
 
 def official_p_sample_loop(head, z, T, temperature, cfg, generator):
@@ -149,7 +162,7 @@ def official_p_sample_loop(head, z, T, temperature, cfg, generator):
     for i in reversed(range(T)):
         t = torch.full((2 * n if cfg != 1.0 else n,), kept[i])
         if cfg != 1.0:
-            out = head.net.forward_with_cfg(torch.cat([img, img]), t, z, cfg)[:n]
+            out = official_forward_with_cfg(head.net, torch.cat([img, img]), t, z, cfg)[:n]
         else:
             out = head.net(img, t, z)
         eps, v = out.split(head.in_channels, dim=1)
@@ -421,37 +434,118 @@ import grpo
 import masks
 import mte
 import policy
+import rollout
 
 
 def make_rollout(model, cfg=2.5, temperature=0.9, ar_steps=(0, 2, 3), diff_steps=(8, 5, 2), seed=0, bsz=4):
     """A recorded rollout of 4 images (2 prompts × G = 2) with CFG."""
     labels = torch.tensor([1, 1, 3, 3][:bsz])
-    plan = mar.RolloutPlan(ar_steps=list(ar_steps), diff_steps=torch.tensor(diff_steps))
-    _, record = model.sample_tokens(bsz, num_iter=5, cfg=cfg, labels=labels, temperature=temperature,
-                                    generator=torch.Generator().manual_seed(seed), plan=plan)
+    plan = rollout.RolloutPlan(ar_steps=list(ar_steps), diff_steps=torch.tensor(diff_steps))
+    _, record = rollout.record_rollout(model, dict(labels=labels), 5, cfg, "linear", temperature, plan,
+                                       torch.Generator().manual_seed(seed))
     return record, dict(labels=labels)
 
 
 def test_record_contents_and_previews():
     model = tiny_mar()
     record, _ = make_rollout(model)
-    assert [s["i"] for s in record["steps"]] == [0, 2, 3]
-    final = record["tokens"]
-    for s in record["steps"]:
-        n = int(s["mask"][0].sum())
-        assert s["unk_idx"].shape == (4, n) and s["x_t"].shape == (3, 4, n, 48)
-        assert torch.equal(s["unk_idx"], s["mask"].nonzero()[:, 1].reshape(4, n))
-        known = ~s["mask"]
-        assert torch.equal(s["preview"][known], s["tokens"][known])  # K_i keeps its values
-        assert torch.equal(s["preview"][s["pred"]], final[s["pred"]])  # P_i is written from the preview
-        assert (s["pred"] & ~s["mask"]).sum() == 0
+    assert [s.i for s in record.steps] == [0, 2, 3]
+    final = record.tokens
+    for s in record.steps:
+        n = int(s.unknown[0].sum())
+        assert s.unk_idx.shape == (4, n) and s.x_t.shape == (3, 4, n, 48)
+        assert torch.equal(s.unk_idx, s.unknown.nonzero()[:, 1].reshape(4, n))
+        known = ~s.unknown
+        assert torch.equal(s.preview[known], s.tokens[known])  # K_i keeps its values
+        assert torch.equal(s.preview[s.pred], final[s.pred])  # P_i is written from the preview
+        assert (s.pred & ~s.unknown).sum() == 0
     # step 3's previous preview is step 2's preview; step 0 has none
-    assert record["steps"][0]["preview_prev"] is None
-    assert torch.equal(record["steps"][2]["preview_prev"], record["steps"][1]["preview"])
+    assert record.steps[0].preview_prev is None
+    assert torch.equal(record.steps[2].preview_prev, record.steps[1].preview)
     # z_final holds, per position, the z it was generated from (the step's recomputed z)
-    s = record["steps"][1]
-    z = model.predict_z(s["tokens"], s["mask"].float(), model.condition(labels=torch.tensor([1, 1, 3, 3])))
-    torch.testing.assert_close(record["z_final"][s["pred"]], z[s["pred"]], rtol=1e-5, atol=1e-5)
+    s = record.steps[1]
+    z = model.predict_z(s.tokens, s.unknown.float(), model.condition(labels=torch.tensor([1, 1, 3, 3])))
+    torch.testing.assert_close(record.z_final[s.pred], z[s.pred], rtol=1e-5, atol=1e-5)
+
+
+def test_rollout_without_a_plan_is_the_official_sampler():
+    """rollout.record_rollout draws the same noise in the same order as MAR.sample_tokens."""
+    model = tiny_mar()
+    labels = torch.tensor([1, 3])
+    orders = model.sample_orders(2, torch.Generator().manual_seed(5))
+    for cfg, schedule in ((1.0, "linear"), (2.5, "linear"), (2.5, "constant")):
+        plain = model.sample_tokens(2, num_iter=5, cfg=cfg, cfg_schedule=schedule, labels=labels, temperature=0.9,
+                                    orders=orders, generator=torch.Generator().manual_seed(11))
+        tokens, record = rollout.record_rollout(model, dict(labels=labels), 5, cfg, schedule, 0.9,
+                                                orders=orders, generator=torch.Generator().manual_seed(11))
+        assert torch.equal(model.unpatchify(tokens), plain) and record.steps == []
+
+
+class ToyPolicy(torch.nn.Module):
+    """A model of the MAR family that is not a MAR: a bag-of-tokens encoder with positions and a
+    class embedding, and the project's head. It implements rollout.py's policy interface and
+    nothing else, to show that the recorder, MTE and the loss need nothing more."""
+
+    def __init__(self, L=12, C=6, D=16, classes=4, T=8):
+        super().__init__()
+        self.seq_len, self.token_embed_dim = L, C
+        self.embed = torch.nn.Linear(C, D)
+        self.pos = torch.nn.Parameter(torch.randn(L, D) * 0.5)
+        self.classes = torch.nn.Embedding(classes, D)
+        self.null = torch.nn.Parameter(torch.randn(D) * 0.5)
+        self.mix = torch.nn.Linear(2 * D, D)
+        self.diffloss = DiffLoss(C, D, depth=1, width=16, num_sampling_steps=T, clip_denoised=True)
+        with torch.no_grad():  # the zero-initialised layers of the head get weights, as in tiny_mar
+            for name, p in self.diffloss.named_parameters():
+                if "adaLN_modulation" in name or "final_layer.linear" in name:
+                    p.normal_(0, 0.05)
+
+    def condition(self, labels):
+        return self.classes(labels)  # (B, D)
+
+    def null_condition_like(self, cond):
+        return self.null.expand(cond.shape)
+
+    def predict_z(self, tokens, mask, cond):
+        known = tokens * (1 - mask)[..., None]  # (B, L, C)
+        context = self.embed(known).mean(1, keepdim=True) + cond[:, None]  # (B, 1, D)
+        return self.mix(torch.cat([self.pos.expand(len(tokens), -1, -1), context.expand(-1, self.seq_len, -1)], -1))
+
+    def ar_schedule(self, num_iter, seq_len):
+        return [len(chunk) for chunk in torch.arange(seq_len).chunk(num_iter)]
+
+    def sample_orders(self, bsz, generator=None):
+        return torch.argsort(torch.rand(bsz, self.seq_len, generator=generator), dim=1)
+
+    def patchify(self, latents):
+        return latents.flatten(2).transpose(1, 2)  # (B, C, 3, 4) -> (B, 12, C)
+
+    def unpatchify(self, tokens):
+        return tokens.transpose(1, 2).reshape(len(tokens), self.token_embed_dim, 3, 4)
+
+
+def test_recorder_and_loss_drive_a_model_that_is_not_a_mar():
+    torch.manual_seed(0)
+    model = ToyPolicy().eval()
+    model.diffloss.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.mix.weight.add_(0.05)  # a reference that differs: the KL is not zero
+    inputs = dict(labels=torch.tensor([0, 0, 2, 2]))
+    plan = rollout.RolloutPlan(ar_steps=[1, 3], diff_steps=torch.tensor([5, 3]))
+    tokens, record = rollout.record_rollout(model, inputs, 4, 2.0, "constant", 0.9, plan, torch.Generator().manual_seed(0))
+    assert tokens.shape == (4, 12, 6) and [s.i for s in record.steps] == [1, 3]
+    seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final, 0.9, 3,
+                                    plan.diff_steps, torch.Generator().manual_seed(1))
+    uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.3)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
+    for j in range(2):
+        model.zero_grad()
+        loss, stats, _ = policy.rollout_loss(model, ref, record, j, inputs, adv, cfg, seeds, uncertain)
+        loss.backward()
+        assert stats["logp_parity_err"] < 1e-5 and stats["kl"] > 0 and torch.isfinite(loss)
+        assert model.mix.weight.grad.abs().sum() > 0 and model.diffloss.net.input_proj.weight.grad is None
 
 
 def test_record_memory_scales_with_chosen_steps():
@@ -459,7 +553,7 @@ def test_record_memory_scales_with_chosen_steps():
 
     def nbytes(ar_steps, diff_steps):
         record, _ = make_rollout(model, ar_steps=ar_steps, diff_steps=diff_steps)
-        return sum(v.numel() * v.element_size() for s in record["steps"] for v in s.values() if torch.is_tensor(v))
+        return sum(v.numel() * v.element_size() for s in record.steps for v in vars(s).values() if torch.is_tensor(v))
     one, two = nbytes((3,), (5,)), nbytes((3,), (5, 2))
     assert two > one and nbytes((3, 4), (5,)) > one
     # per image and recorded transition: x_t, x_prev, std, logp of n tokens × C floats
@@ -477,19 +571,19 @@ def test_recomputed_logp_equals_recorded_and_first_loss_is_the_advantage_mean():
     cfg = grpo.GRPOConfig(beta=0.01, tau=0.0)
     ref = copy.deepcopy(model)
     losses = []
-    for j, s in enumerate(record["steps"]):
+    for j, s in enumerate(record.steps):
         loss, stats, _ = policy.rollout_loss(model, ref, record, j, cond, adv, cfg)
         z, z_null = policy.recompute_z(model, s, cond, guided=True)
-        mean = policy.transition_mean(model.diffloss, s["x_t"], s["diff_steps"], z, z_null, s["cfg"])
-        logp = transition_logprob(s["x_prev"], mean, s["std"])
-        assert (logp - s["logp"]).abs().max() < 1e-5 and stats["logp_parity_err"] < 1e-5
-        assert torch.exp(logp - s["logp"]).sub(1).abs().max() < 1e-5
+        mean = diffloss.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
+        logp = transition_logprob(s.x_prev, mean, s.std)
+        assert (logp - s.logp).abs().max() < 1e-5 and stats["logp_parity_err"] < 1e-5
+        assert torch.exp(logp - s.logp).sub(1).abs().max() < 1e-5
         assert stats["kl"] == 0.0
-        W = masks.consistency_mask(s["preview"], s["preview_prev"], record["tokens"], s["mask"], s["pred"], 0.0)
+        W = masks.consistency_mask(s.preview, s.preview_prev, record.tokens, s.unknown, s.pred, 0.0)
         expected = -(W.sum(1).float() * adv).sum() / W.sum()
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
         losses.append(loss)
-    assert record["steps"][0]["preview_prev"] is None  # the first AR step keeps all of U_0
+    assert record.steps[0].preview_prev is None  # the first AR step keeps all of U_0
 
 
 def test_train_cfg_1_recomputes_without_guidance():
@@ -600,10 +694,10 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
 def _loss_and_grads(model, record, cond, adv, cfg, seeds=None, uncertain=None):
     model.zero_grad()
     total = 0.0
-    for j in range(len(record["steps"])):
+    for j in range(len(record.steps)):
         loss, _, _ = policy.rollout_loss(model, model, record, j, cond, adv, cfg, seeds, uncertain)
-        (loss / len(record["steps"])).backward()
-        total += loss.item() / len(record["steps"])
+        (loss / len(record.steps)).backward()
+        total += loss.item() / len(record.steps)
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -613,24 +707,24 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
         p.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    fixed = grpo.GRPOConfig(**grpo.PRESETS["grpo-fixed-head"])
+    fixed = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
     l0, g0 = _loss_and_grads(model, record, cond, adv, fixed)
     # the mar-grpo path, run with seeds but an empty uncertainty mask and a threshold that keeps all
-    seeds = mte.sample_trajectories(model.diffloss, record["z_final"], record["z_final_null"], record["cfg_final"],
-                                    0.9, 3, record["steps"][0]["diff_steps"], torch.Generator().manual_seed(1))
-    off = grpo.GRPOConfig(**dict(grpo.PRESETS["mar-grpo"], tau=-3.0))
+    seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
+                                    0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
+    off = grpo.GRPOConfig(**dict(grpo.METHODS["mar-grpo"], tau=-3.0))
     empty = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.0)
     l1, g1 = _loss_and_grads(model, record, cond, adv, off, seeds, empty)
     assert l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
     assert not any(n.startswith("diffloss.") for n in g0)  # a frozen head gets no gradient
     # switching the components on changes the gradient
-    on = grpo.GRPOConfig(**grpo.PRESETS["mar-grpo"])
+    on = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
     l2, g2 = _loss_and_grads(model, record, cond, adv, on, seeds, masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.3))
     assert any(not torch.allclose(g0[n], g2[n]) for n in g0)
     # end-to-end GRPO: the head trains
     for p in model.diffloss.parameters():
         p.requires_grad_(True)
-    _, g3 = _loss_and_grads(model, record, cond, adv, grpo.GRPOConfig(**grpo.PRESETS["grpo"]))
+    _, g3 = _loss_and_grads(model, record, cond, adv, grpo.GRPOConfig(**grpo.METHODS["grpo"]))
     assert any(n.startswith("diffloss.") and g.abs().sum() > 0 for n, g in g3.items())
 
 
@@ -640,11 +734,11 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    seeds = mte.sample_trajectories(model.diffloss, record["z_final"], record["z_final_null"], record["cfg_final"],
-                                    0.9, 3, record["steps"][0]["diff_steps"], torch.Generator().manual_seed(1))
+    seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
+                                    0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
     uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.5)  # (B, L)
-    released = grpo.GRPOConfig(**grpo.PRESETS["mar-grpo"])
-    predicted = grpo.GRPOConfig(**dict(grpo.PRESETS["mar-grpo"], mte_positions="predicted"))
+    released = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
+    predicted = grpo.GRPOConfig(**dict(grpo.METHODS["mar-grpo"], mte_positions="predicted"))
     def grad(j, cfg, unc):  # the loss's gradient at AR step j, flattened over the trained parameters
         model.zero_grad()
         loss, stats, _ = policy.rollout_loss(model, model, record, j, cond, adv, cfg, seeds, unc)
@@ -652,14 +746,14 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
 
     differ = 0
-    for j, step in enumerate(record["steps"]):
-        restricted = uncertain & step["pred"]  # (B, L)
+    for j, step in enumerate(record.steps):
+        restricted = uncertain & step.pred  # (B, L)
         want, _ = grad(j, released, restricted)
         got, stats = grad(j, predicted, uncertain)
         broad, _ = grad(j, released, uncertain)
         assert torch.equal(got, want)
-        assert stats["uncertain_frac"] == restricted.gather(1, step["unk_idx"]).float().mean().item()
-        if (uncertain & ~step["pred"] & step["mask"]).any():  # uncertain unknown tokens outside P_i
+        assert stats["uncertain_frac"] == restricted.gather(1, step.unk_idx).float().mean().item()
+        if (uncertain & ~step.pred & step.unknown).any():  # uncertain unknown tokens outside P_i
             assert not torch.allclose(got, broad)
             differ += 1
     assert differ  # the rollout has a step where the two variants differ
@@ -671,17 +765,17 @@ def test_mte_trajectories_are_one_batched_head_call(monkeypatch):
     calls = []
     real = model.diffloss.sample
     monkeypatch.setattr(model.diffloss, "sample", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    seeds = mte.sample_trajectories(model.diffloss, record["z_final"], record["z_final_null"], record["cfg_final"],
+    seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
                                     0.9, 3, torch.tensor([8, 5, 2]), torch.Generator().manual_seed(0))
     assert calls == [torch.Size([2 * 3 * 4 * 16, 32])]
     assert seeds["x_t"].shape == (3, 3, 4, 16, 48) and seeds["x0"].shape == (3, 4, 16, 48)
     # seed s of position p is a head trajectory from z_final[p] with that token's guidance w
     g = torch.Generator().manual_seed(0)
     S, B, L = 3, 4, 16
-    z = torch.cat([record["z_final"].expand(S, B, L, 32).reshape(-1, 32), record["z_final_null"].expand(S, B, L, 32).reshape(-1, 32)])
-    x0 = real(z, 0.9, record["cfg_final"].expand(S, B, L).reshape(-1), g)
+    z = torch.cat([record.z_final.expand(S, B, L, 32).reshape(-1, 32), record.z_final_null.expand(S, B, L, 32).reshape(-1, 32)])
+    x0 = real(z, 0.9, record.cfg_final.expand(S, B, L).reshape(-1), g)
     torch.testing.assert_close(seeds["x0"], x0.reshape(S, B, L, 48))
-    assert len(set(record["cfg_final"].flatten().tolist())) > 1  # tokens of different steps, different w
+    assert len(set(record.cfg_final.flatten().tolist())) > 1  # tokens of different steps, different w
     u = masks.token_uncertainty(seeds["x0"])
     assert u.shape == (4, 16) and (u > 0).all()
 
@@ -696,24 +790,23 @@ def test_policy_gradient_matches_finite_differences():
     x_t = torch.randn(K, B, n, C, generator=g, dtype=torch.float64)
     x_prev = x_t + 0.1 * torch.randn(K, B, n, C, generator=g, dtype=torch.float64)
     std = 0.2 + torch.rand(K, B, n, C, generator=g, dtype=torch.float64)
-    xs_t = torch.randn(S, K, 3, C, generator=g, dtype=torch.float64)
-    xs_prev = xs_t + 0.1 * torch.randn(S, K, 3, C, generator=g, dtype=torch.float64)
+    xs_t = torch.randn(S, K, B, n, C, generator=g, dtype=torch.float64)
+    xs_prev = xs_t + 0.1 * torch.randn(S, K, B, n, C, generator=g, dtype=torch.float64)
     z0 = torch.randn(B, n, D, generator=g, dtype=torch.float64)
     z_null = torch.randn(B, n, D, generator=g, dtype=torch.float64)
     adv = torch.tensor([0.7, -1.3], dtype=torch.float64)
     unc = torch.tensor([[True, False, True], [False, True, False]])
     keep = torch.tensor([[True, True, False], [True, True, True]])
     mean_ref = torch.randn(K, B, n, C, generator=g, dtype=torch.float64)
-    logp_old = transition_logprob(x_prev, policy.transition_mean(head, x_t, steps, z0, z_null, 2.0), std).detach()
-    zs0 = z0[unc]
-    logps_old = transition_logprob(xs_prev, policy.transition_mean(head, xs_t.flatten(0, 1), steps.repeat(S), zs0, z_null[unc], 2.0).reshape(xs_t.shape), std[0, 0, 0]).detach()
+    seed_mean = lambda z: diffloss.transition_mean(head, xs_t.flatten(0, 1), steps.repeat(S), z, z_null, 2.0).reshape(xs_t.shape)
+    logp_old = transition_logprob(x_prev, diffloss.transition_mean(head, x_t, steps, z0, z_null, 2.0), std).detach()
+    logps_old = transition_logprob(xs_prev, seed_mean(z0), std).detach()
 
     def objective(z):
-        mean = policy.transition_mean(head, x_t, steps, z, z_null, 2.0)
+        mean = diffloss.transition_mean(head, x_t, steps, z, z_null, 2.0)
         term, _ = grpo.policy_surrogate(transition_logprob(x_prev, mean, std), logp_old, adv[None, :, None, None])
-        mean_s = policy.transition_mean(head, xs_t.flatten(0, 1), steps.repeat(S), z[unc], z_null[unc], 2.0).reshape(xs_t.shape)
-        term_s, _ = grpo.policy_surrogate(transition_logprob(xs_prev, mean_s, std[0, 0, 0]), logps_old,
-                                          adv[unc.nonzero()[:, 0]][None, None, :, None])
+        term_s, _ = grpo.policy_surrogate(transition_logprob(xs_prev, seed_mean(z), std), logps_old,
+                                          adv[None, None, :, None, None])
         pi = mte.mte_policy_term(term, term_s, unc)
         loss, _, _ = grpo.ar_step_objective(pi, keep, grpo.kl_term("gaussian", mean, mean_ref, std), 0.01)
         return loss
@@ -744,7 +837,7 @@ def test_mte_reduces_policy_gradient_variance():
         tr = mte.sample_trajectories(head, z[None], None, None, 1.0, S, steps, torch.Generator().manual_seed(seed))
         zz = z.clone().requires_grad_()
         x_t = tr["x_t"][:, :, 0]  # (S, K, n, C)
-        mean = policy.transition_mean(head, x_t.flatten(0, 1), steps.repeat(S), zz, None, 1.0).reshape(x_t.shape)
+        mean = diffloss.transition_mean(head, x_t.flatten(0, 1), steps.repeat(S), zz, None, 1.0).reshape(x_t.shape)
         logp = transition_logprob(tr["x_prev"][:, :, 0], mean, tr["std"][:, :, 0])
         term, _ = grpo.policy_surrogate(logp, logp.detach(), adv)
         # P = Σ W · (1/S) Σ_s term_s / Σ W, all n tokens kept
@@ -851,8 +944,8 @@ def _ddp_worker(rank, world, init_file, out_dir):
     model, records = _ddp_setup()
     record, cond, adv = records[rank]
     module = torch.nn.parallel.DistributedDataParallel(train.PolicyLoss(model))
-    cfg = grpo.GRPOConfig(**grpo.PRESETS["grpo-fixed-head"])
-    train.backward_rollout(module, True, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3)
+    cfg = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
+    train.backward_rollout(module, True, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3, contextlib.nullcontext)
     torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, f"{out_dir}/grad{rank}.pt")
     dist.destroy_process_group()
 
@@ -872,10 +965,10 @@ def _ddp_setup():
 def test_ddp_gradient_equals_single_process(tmp_path):
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     model, records = _ddp_setup()
-    cfg = grpo.GRPOConfig(**grpo.PRESETS["grpo-fixed-head"])
+    cfg = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
     loss_module = train.PolicyLoss(model)
     for record, cond, adv in records:  # single process: both halves, accumulated
-        train.backward_rollout(loss_module, False, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3)
+        train.backward_rollout(loss_module, False, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3, contextlib.nullcontext)
     g0, g1 = torch.load(tmp_path / "grad0.pt"), torch.load(tmp_path / "grad1.pt")
     for n, p in model.named_parameters():
         if p.grad is None:
@@ -910,10 +1003,10 @@ def test_gradient_step_moves_logp_toward_positive_advantages():
     def weighted_logp():
         with torch.no_grad():
             total = 0.0
-            for s in record["steps"]:
+            for s in record.steps:
                 z, z_null = policy.recompute_z(model, s, cond, guided=True)
-                mean = policy.transition_mean(model.diffloss, s["x_t"], s["diff_steps"], z, z_null, s["cfg"])
-                logp = transition_logprob(s["x_prev"], mean, s["std"]).sum(dim=(0, 2, 3))  # (B,)
+                mean = diffloss.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
+                logp = transition_logprob(s.x_prev, mean, s.std).sum(dim=(0, 2, 3))  # (B,)
                 total += (adv * logp).sum().item()
             return total
 

@@ -93,6 +93,15 @@ BAD_INPUT = {
     "--resume with nothing to resume": (G + " --resume", ["--resume", "no checkpoint"]),
     "unknown flag": (G + " --learning-rate 1", ["--learning-rate"]),
     "not a number": (G + " --steps ten", ["--steps", "ten"]),
+    # numeric flags: range and finiteness at parse time, before pretraining (--stage all)
+    "NaN learning rate": ("--lr nan", ["--lr", "nan"]),
+    "infinite guidance": ("--cfg inf", ["--cfg", "inf"]),
+    "negative KL weight": ("--beta -1", ["--beta", "-1"]),
+    "zero temperature": ("--temperature 0", ["--temperature", "0"]),
+    "top-k above 1": ("--top-k 1.5", ["--top-k", "1.5"]),
+    "NaN tau": ("--tau nan", ["--tau", "nan"]),
+    "EMA of 1": ("--ema 1", ["--ema", "1"]),
+    "--out where no file can be made": ("--out /proc/margrpo_run", ["--out", "/proc"]),
 }
 
 
@@ -192,8 +201,33 @@ def test_error_lines_name_the_rank_under_torchrun(capsys, monkeypatch):
 # -----------------------------------------------------------------------------
 # Non-finite values: skipped, counted, logged; too many in a row stop the run
 
+def nan_rewards_at(monkeypatch, steps):
+    """The reward of the first image is NaN at these GRPO steps (one train.score call per step)."""
+    calls, real = [], train.score
+
+    def score(*a):
+        scores, info = real(*a)
+        if len(calls) in steps:
+            scores = scores.clone()
+            scores[0] = float("nan")
+        calls.append(1)
+        return scores, info
+    monkeypatch.setattr(train, "score", score)
+
+
+def nan_losses_at(monkeypatch, steps):
+    """The pretraining loss is NaN at these steps (one MAR.forward call per step)."""
+    calls, real = [], mar.MAR.forward
+
+    def forward(self, *a, **k):
+        loss = real(self, *a, **k)
+        calls.append(1)
+        return loss * float("nan") if len(calls) - 1 in steps else loss
+    monkeypatch.setattr(mar.MAR, "forward", forward)
+
+
 def test_nan_reward_skips_the_update_and_is_counted(tmp_path, smoke_base, capsys, monkeypatch):
-    monkeypatch.setenv("MARGRPO_TEST_NAN_REWARD_STEPS", "1")
+    nan_rewards_at(monkeypatch, {1})
     out = tmp_path / "run"
     code, stdout, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "3", "--save-every", "1", "--keep-last", "0"))
     assert code == 0, err
@@ -209,7 +243,7 @@ def test_nan_reward_skips_the_update_and_is_counted(tmp_path, smoke_base, capsys
 
 
 def test_max_bad_steps_stops_with_the_last_good_checkpoint(tmp_path, smoke_base, capsys, monkeypatch):
-    monkeypatch.setenv("MARGRPO_TEST_NAN_REWARD_STEPS", "1,2")
+    nan_rewards_at(monkeypatch, {1, 2})
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "5", "--save-every", "1", "--max-bad-steps", "2"))
     assert code == 1
@@ -226,7 +260,7 @@ def test_max_bad_steps_stops_with_the_last_good_checkpoint(tmp_path, smoke_base,
 def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
     """A NaN loss changes neither the weights nor the EMA (without the skip, base.pt would be NaN);
     too many in a row stop before base.pt is written."""
-    monkeypatch.setenv("MARGRPO_TEST_NAN_LOSS_STEPS", "2,4")
+    nan_losses_at(monkeypatch, {2, 4})
     code, stdout, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--pretrain-steps", "6",
                             "--out", tmp_path / "a")
     assert code == 0, err
@@ -234,7 +268,8 @@ def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
     ema = load(tmp_path / "a" / "base.pt")["model"]
     assert all(torch.isfinite(v).all() for v in ema.values() if v.is_floating_point())
 
-    monkeypatch.setenv("MARGRPO_TEST_NAN_LOSS_STEPS", "1,2")
+    monkeypatch.undo()
+    nan_losses_at(monkeypatch, {1, 2})
     code, _, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--pretrain-steps", "6",
                        "--max-bad-steps", "2", "--out", tmp_path / "b")
     assert code == 1 and "pretraining: 2 non-finite steps in a row (--max-bad-steps 2)" in err
@@ -244,12 +279,41 @@ def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
 # -----------------------------------------------------------------------------
 # Crashes, restarts, resume
 
+# train.py run in a subprocess with a fault patched in (no test hooks in production code)
+PATCHED_TRAIN = """
+import os, signal, sys, time
+import torch
+import checkpoints, rollout, train
+{patch}
+sys.exit(train.cli(sys.argv[1:]))
+"""
+# every torch.save sleeps 2 s after writing, before the atomic rename: a window for SIGKILL
+SLOW_SAVE = """
+real_save = torch.save
+def slow_save(*a, **k):
+    real_save(*a, **k)
+    time.sleep(2)
+checkpoints.torch.save = slow_save
+"""
+# the last rank SIGKILLs itself as GRPO step 2 starts (its third rollout), on the first launch only
+KILL_AT_STEP_2 = """
+real_record, calls = rollout.record_rollout, []
+def record(*a, **k):
+    calls.append(1)
+    if (len(calls) == 3 and int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_record(*a, **k)
+rollout.record_rollout = record
+"""
+
+
 def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, smoke_base, capsys):
     out = tmp_path / "run"
     flags = grpo_flags(str(smoke_base), str(out), "--steps", "4", "--save-every", "1", "--keep-last", "0")
     log = open(tmp_path / "log.txt", "w")
-    proc = subprocess.Popen([sys.executable, TRAIN, *flags], env=dict(ENV, MARGRPO_TEST_SLOW_SAVE="2"),
-                            stdout=log, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-c", PATCHED_TRAIN.format(patch=SLOW_SAVE), *flags], cwd=REPO,
+                            env=ENV, stdout=log, stderr=log)
     deadline = time.time() + 120
     while not list((out / "ckpt").glob("step_000002.pt.tmp.*")):  # the second checkpoint is being written
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()
@@ -282,9 +346,11 @@ def test_torchrun_relaunch_resumes_after_a_rank_dies(tmp_path, smoke_base):
     attempt's addresses from the store it shares with the workers and fail to connect or hang
     (pytorch/pytorch#135712; 2 of 8 tries here); the README tells users the same."""
     out = tmp_path / "run"
+    script = tmp_path / "train_killed_at_step_2.py"
+    script.write_text(PATCHED_TRAIN.format(patch=KILL_AT_STEP_2))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           TRAIN, *grpo_flags(str(smoke_base), str(out), "--steps", "4", "--save-every", "1")]
-    env = dict(ENV, MARGRPO_TEST_KILL_AT_STEP="2", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+           str(script), *grpo_flags(str(smoke_base), str(out), "--steps", "4", "--save-every", "1")]
+    env = dict(ENV, PYTHONPATH=str(REPO), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "resumed from step 2" in res.stdout

@@ -1,0 +1,199 @@
+"""Recording a rollout for RL, for any model of the MAR family (SPEC §1, §3).
+
+The policy interface (what this file, policy.py and mte.py call on a model; mar.py, harmon.py and
+nova.py implement it, and nothing outside a model's own file knows which one it is):
+
+    model.condition(**inputs) -> cond            batch-first tensor, or dict of them
+    model.null_condition_like(cond) -> cond_null  the classifier-free-guidance null, same structure
+    model.predict_z(tokens, mask, cond) -> z      tokens (B, L, C), mask (B, L) float 1 = unknown,
+                                                  z (B, L, D); deterministic in eval mode
+    model.diffloss                                the head: p_mean_variance(x_t, t, z, cfg),
+                                                  sample(z, temperature, cfg, generator, record_steps),
+                                                  trainable_steps(), num_sampling_steps
+    model.ar_schedule(num_iter, seq_len)          tokens written at each executed AR step
+    model.sample_orders(bsz, generator)           (B, L) random generation orders
+    model.seq_len, model.token_embed_dim, model.patchify, model.unpatchify
+
+`inputs` are the raw condition inputs of a batch (MAR: prompt_ids or labels; Harmon: input_ids and
+attention_mask; NOVA: prompt_embeds). The condition is embedded by the model itself, here and again
+when the loss recomputes z, so that gradients reach whatever part of the model embeds it.
+
+What a rollout records (SPEC §3), for each chosen AR step i only, so memory scales with the chosen
+steps: the canvas, U_i, P_i, the head's chosen transitions on *all* unknown positions U_i (not only
+P_i), and the previews x̂0 of steps i and i−1; after the last step the final tokens and, for every
+position, the z (and null z, and guidance w) it was generated from.
+
+Where this departs from the released trainers:
+1. The released trainers run the head on all L positions at kept steps; here it runs on U_i, which
+   gives the same distribution for the positions that matter for less work.
+2. The released Harmon trainer stores U_{i+1} as step i's unknown set, and the released NOVA trainer
+   recomputes z with a canvas frame the sampler never saw; so their recomputed z is not the
+   rollout's. Here the record holds exactly what the sampler fed the model, and recorded and
+   recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
+3. With no chosen steps, the loop draws the same noise in the same order as `MAR.sample_tokens`,
+   so a rollout and a plain sample with the same generator are the same images (tested).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutPlan:
+    """Which steps of one rollout are recorded for training, chosen before it starts.
+
+    ar_steps: sorted AR step indices i; diff_steps: (K,) sampling-step indices of the head, a
+    subset of `head.trainable_steps()`, recorded at every chosen AR step.
+    """
+    ar_steps: list
+    diff_steps: torch.Tensor
+
+
+@dataclass
+class StepRecord:
+    """One recorded AR step i, with n = |U_i| unknown positions per image and K diffusion steps.
+
+    tokens (B, L, C): the canvas at the start of step i (zeros at unknown positions);
+    unknown (B, L) bool: U_i; pred (B, L) bool: P_i ⊆ U_i, the positions written at step i;
+    unk_idx (B, n): the positions of U_i, ascending (every image has the same n);
+    cfg: the guidance w of this step (1.0 without guidance);
+    diff_steps (K,): the recorded sampling steps, in sampling order;
+    x_t, x_prev, std, logp (K, B, n, C): the head's transitions x^k -> x^{k-1} on U_i, the std
+      s = τσ they were sampled with, and their per-element log-probability ℓ;
+    preview (B, L, C): x̂0 of step i (known tokens + the head's result on U_i);
+    preview_prev (B, L, C) or None: x̂0 of step i−1 (None for i = 0).
+    """
+    i: int
+    tokens: torch.Tensor
+    unknown: torch.Tensor
+    pred: torch.Tensor
+    unk_idx: torch.Tensor
+    cfg: float
+    diff_steps: torch.Tensor
+    x_t: torch.Tensor
+    x_prev: torch.Tensor
+    std: torch.Tensor
+    logp: torch.Tensor
+    preview: torch.Tensor
+    preview_prev: torch.Tensor | None
+
+
+@dataclass
+class Rollout:
+    """Everything the loss needs from one rollout of B images.
+
+    orders (B, L): generation order; tokens (B, L, C): the final tokens x_final;
+    z_final (B, L, D): the z each token was generated from; z_final_null (B, L, D) or None: its
+    null-condition z (with guidance); cfg_final (B, L): the w each token was generated with;
+    steps: a StepRecord per chosen AR step, in order.
+    """
+    orders: torch.Tensor
+    tokens: torch.Tensor
+    z_final: torch.Tensor
+    z_final_null: torch.Tensor | None
+    cfg_final: torch.Tensor
+    steps: list
+
+
+def cat_rows(a, b):
+    """Concatenate two batches of a condition (tensor or dict of tensors) along dim 0."""
+    if isinstance(a, dict):
+        return {key: torch.cat([a[key], b[key]]) for key in a}
+    return torch.cat([a, b])
+
+
+def guidance_weight(cfg, cfg_schedule, num_unknown_next, seq_len):
+    """w of one AR step: constant, or "linear" (MAR, after Muse): rising with the fraction of
+    tokens generated, 1 + (w − 1)(L − max(n_next, 1)) / L (the official code's max(…, 1))."""
+    if cfg_schedule == "constant":
+        return cfg
+    if cfg_schedule == "linear":
+        return 1 + (cfg - 1) * (seq_len - max(num_unknown_next, 1)) / seq_len
+    raise ValueError(f"cfg_schedule {cfg_schedule!r}: choose 'linear' or 'constant'")
+
+
+@torch.no_grad()
+def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0, plan=None,
+                   generator=None, orders=None):
+    """Generate B token grids with `model` and record the steps of `plan` (SPEC §3).
+
+    model: implements the policy interface above; inputs: dict of condition inputs for
+    model.condition, batch B; num_iter: AR steps N; cfg: guidance w (the batch is doubled with the
+    null condition when w != 1); cfg_schedule: "linear" | "constant"; temperature: τ of the head's
+    noise; plan: RolloutPlan (None: record nothing); generator: torch.Generator on the model's
+    device; orders: optional (B, L) generation orders.
+    returns tokens (B, L, C) and a Rollout.
+    """
+    cond = model.condition(**inputs)
+    guided = cfg != 1.0
+    if guided:
+        cond = cat_rows(cond, model.null_condition_like(cond))  # (2B, ...) = [cond; null]
+    head = model.diffloss
+    param = next(model.parameters())
+    device = param.device
+    L, C = model.seq_len, model.token_embed_dim
+    orders = model.sample_orders(len(next(iter(inputs.values()))), generator) if orders is None else orders.to(device)
+    B = orders.shape[0]
+    tokens = torch.zeros(B, L, C, device=device)
+    unknown = torch.ones(B, L, dtype=torch.bool, device=device)
+    plan = plan or RolloutPlan(ar_steps=[], diff_steps=torch.zeros(0, dtype=torch.long))
+    chosen = set(plan.ar_steps)
+    need_preview = chosen | {i - 1 for i in chosen if i >= 1}
+    z_final = z_final_null = None
+    cfg_final = torch.ones(B, L, device=device)
+    records, previews = [], {}
+
+    num_unknown = L
+    for i, count in enumerate(model.ar_schedule(num_iter, L)):
+        x = torch.cat([tokens, tokens]) if guided else tokens  # (B or 2B, L, C)
+        m = unknown.to(tokens.dtype)
+        m = torch.cat([m, m]) if guided else m  # (B or 2B, L)
+        z = model.predict_z(x, m, cond).float()  # (B or 2B, L, D)
+        if z_final is None:
+            z_final = torch.zeros(B, L, z.shape[-1], device=device)
+            z_final_null = torch.zeros_like(z_final) if guided else None
+
+        # which positions are written this step: `count` more of each order (from its end, as MAR)
+        n_next = num_unknown - count
+        pred = torch.zeros(B, L, dtype=torch.bool, device=device)
+        pred.scatter_(1, orders[:, n_next:num_unknown], True)  # (B, L) P_i; orders[:, :n_next] stay unknown
+        w = guidance_weight(cfg, cfg_schedule, n_next, L) if guided else 1.0
+
+        # the head samples P_i, or all of U_i at recorded steps and where a preview is needed
+        full = i in need_preview
+        head_mask = unknown if full else pred  # (B, L)
+        idx = head_mask.nonzero(as_tuple=True)
+        z_head = z[:B][idx]  # (M, D)
+        if guided:
+            z_head = torch.cat([z_head, z[B:][idx]])  # (2M, D) = [cond; null]
+        if i in chosen:
+            sampled, traj = head.sample(z_head, temperature, w, generator, record_steps=plan.diff_steps)
+        else:
+            sampled = head.sample(z_head, temperature, w, generator)  # (M, C)
+
+        new_tokens = tokens.clone()
+        if full:
+            canvas = tokens.clone()
+            canvas[idx] = sampled.to(canvas.dtype)  # the preview x̂0 on U_i
+            previews[i] = canvas
+            new_tokens[pred] = canvas[pred]
+        else:
+            new_tokens[idx] = sampled.to(new_tokens.dtype)
+
+        z_final[pred] = z[:B][pred]
+        if guided:
+            z_final_null[pred] = z[B:][pred]
+        cfg_final[pred] = float(w)
+        if i in chosen:
+            n = num_unknown
+            K = len(plan.diff_steps)
+            records.append(StepRecord(
+                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=idx[1].reshape(B, n), cfg=float(w),
+                diff_steps=traj["steps"],
+                **{key: traj[key].reshape(K, B, n, C) for key in ("x_t", "x_prev", "std", "logp")},
+                preview=previews[i], preview_prev=previews.get(i - 1)))
+        tokens, unknown, num_unknown = new_tokens, unknown & ~pred, n_next
+
+    return tokens, Rollout(orders=orders, tokens=tokens, z_final=z_final, z_final_null=z_final_null,
+                           cfg_final=cfg_final, steps=records)
