@@ -11,6 +11,7 @@ state dict and config, the optimizer state, the step, the flags, and the count o
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 
@@ -31,18 +32,25 @@ def read_checkpoint(path, flag="--init"):
         raise ValueError(f"{flag} {path}: cannot read checkpoint ({type(e).__name__}: {reason})") from None
 
 
+def state_dict_mismatch(own, sd, ignore=(), display=str):
+    """One line naming how state dict `sd` differs from `own` (a state dict or {key: shape}):
+    "missing k1, k2, k3 (+N more); unexpected …; wrong shape (file vs model) k (a, b) vs (c, d)",
+    or "" when they fit. ignore: key prefixes that may be missing; display: key -> shown name."""
+    shape = lambda v: tuple(v.shape) if hasattr(v, "shape") else tuple(v)
+    missing = [display(k) for k in own if k not in sd and not any(k.startswith(p) for p in ignore)]
+    unexpected = [display(k) for k in sd if k not in own]
+    wrong = [f"{display(k)} {shape(sd[k])} vs {shape(own[k])}" for k in own if k in sd and shape(sd[k]) != shape(own[k])]
+    return "; ".join(f"{label} {', '.join(items[:3])}" + (f" (+{len(items) - 3} more)" if len(items) > 3 else "")
+                     for label, items in (("missing", missing), ("unexpected", unexpected),
+                                          ("wrong shape (file vs model)", wrong)) if items)
+
+
 def check_state_dict(model, sd, path, flag="--init", ignore=()):
-    """Raise a one-line ValueError naming the first keys where `sd` does not fit `model` (missing,
-    unexpected, wrong shape). `ignore`: key prefixes that may be missing (e.g. a VAE loaded apart)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd and not any(k.startswith(prefix) for prefix in ignore)]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
-             if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or wrong:
-        parts = [f"{name} {items[:3]}" for name, items in
-                 (("missing", missing), ("unexpected", unexpected), ("wrong shape (file vs model)", wrong)) if items]
-        raise ValueError(f"{flag} {path}: checkpoint does not fit the model: " + "; ".join(parts))
+    """Raise a one-line ValueError naming `flag`, `path` and the first keys where `sd` does not fit
+    `model` (missing, unexpected, wrong shape). `ignore`: key prefixes that may be missing."""
+    problems = state_dict_mismatch(model.state_dict(), sd, ignore)
+    if problems:
+        raise ValueError(f"{flag} {path}: checkpoint does not fit the model: {problems}")
 
 
 def atomic_save(obj, path):
@@ -108,3 +116,72 @@ def newest_training_state(ckpt_dir, warn):
             continue
         return path, state
     return None
+
+
+def resume_training(ckpt_dir, model, opt, required, warn):
+    """Load the newest readable checkpoint of ckpt_dir into model and optimizer. Every step's
+    randomness derives from (seed, step, rank), so the step is the only sampler state needed to
+    continue identically. Returns (step, non-finite steps so far); (0, 0) if there is none and
+    not `required`."""
+    found = newest_training_state(ckpt_dir, warn)
+    if found is None:
+        if required:
+            raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
+        return 0, 0
+    path, state = found
+    check_state_dict(model, state["model"], path, "--resume")
+    model.load_state_dict(state["model"])
+    try:
+        opt.load_state_dict(state["optimizer"])
+    except ValueError as e:
+        raise ValueError(f"--resume {path}: its optimizer state does not fit this run's trained parameters "
+                         f"(another --method or --train-head?): {e}") from None
+    return int(state["step"]), int(state.get("bad_steps_total", 0))
+
+
+def start_run_folder(out, start, keep_last, config):
+    """A training stage's first writes (rank 0 only): folders and config.json. A fresh run (start
+    0) removes the previous run's checkpoints and metrics from `out`; a resumed one keeps the
+    metrics rows of the steps before `start` (the others will be redone)."""
+    ckpt_dir, metrics_path = os.path.join(out, "ckpt"), os.path.join(out, "metrics.jsonl")
+    os.makedirs(os.path.join(out, "samples"), exist_ok=True)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    if start == 0:
+        old = [os.path.join(ckpt_dir, f) for f in checkpoint_names(ckpt_dir) + ["latest.pt"]] + [metrics_path]
+        old = [path for path in old if os.path.exists(path)]
+        if old:
+            print(f"a fresh run in {out}: removing the previous run's checkpoints and metrics "
+                  "(--resume continues a run instead)", flush=True)
+        for path in old:
+            os.remove(path)
+    elif os.path.exists(metrics_path):
+        keep = []
+        for line in open(metrics_path):
+            with contextlib.suppress(ValueError):  # a line cut short by a crash is dropped
+                if json.loads(line)["step"] < start:
+                    keep.append(line)
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(metrics_path + ".tmp", metrics_path)
+    prune_checkpoints(ckpt_dir, keep_last)  # also the temporary file of a killed write
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def check_writable(path, name):
+    """Raise a one-line error naming flag `name` unless `path` is a writable folder or can be created
+    as one: its nearest existing ancestor is a folder where a file can be created (tried, and
+    removed again: permission bits alone pass /proc and read-only mounts)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ValueError(f"{name} {path}: {p} is a file, not a folder")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise PermissionError(f"{name} {path}: {p} is not writable")
+    with contextlib.suppress(OSError):  # a folder that says it is writable but is not (e.g. /proc, a read-only mount)
+        probe = os.path.join(p, f".write_probe.{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+        return
+    raise PermissionError(f"{name} {path}: cannot create files in {p}")

@@ -73,6 +73,13 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag, s
     return summary
 
 
+def group_diversity(images, G):
+    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
+    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
+    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
+    return d.sum() / (d.shape[0] * G * (G - 1))
+
+
 def summarize(rows):
     """Mean reward, and for shapes prompts the accuracy (all checks pass) by category."""
     out = {"n": len(rows), "reward_mean": float(np.mean([r["reward"] for r in rows]))}

@@ -149,11 +149,13 @@ def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator):
 
     num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
     diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them.
-    returns (sorted list of AR steps, descending LongTensor of diffusion steps)
+    returns (sorted list of AR steps, descending LongTensor of diffusion steps on the generator's
+    device; the draws happen there too, so a CUDA generator works; one host sync for the list)
     """
-    ar = torch.randperm(num_iter, generator=generator)[:min(num_ar, num_iter)].sort().values.tolist()
-    trainable = torch.as_tensor(list(trainable), dtype=torch.long)
+    device = generator.device
+    ar = torch.randperm(num_iter, generator=generator, device=device)[:min(num_ar, num_iter)].sort().values.tolist()
+    trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
-    pick = torch.randperm(len(trainable), generator=generator)[:min(num_diff, len(trainable))]
+    pick = torch.randperm(len(trainable), generator=generator, device=device)[:min(num_diff, len(trainable))]
     return ar, trainable[pick].sort(descending=True).values

@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import checkpoints
 from nova_heads import DiffusionMLP, PatchEmbed, make_head
 
 # The official architecture registry (transformer_nova.py): name -> kind and sizes
@@ -306,22 +307,12 @@ def build(config):
     "scheduler": diffusers scheduler config, optional "arch_defs", "num_diffusion_steps"}."""
     if "scheduler" not in config:
         raise ValueError("config: a 'scheduler' (diffusers scheduler config dict) is required")
-    kwargs = {k: v for k, v in config["transformer"].items() if not k.startswith("_")}
-    return NOVA(**kwargs, scheduler=config["scheduler"], num_sampling_steps=config.get("num_diffusion_steps", 25),
-                arch_defs=config.get("arch_defs"))
-
-
-def check_state_dict(model, sd, path):
-    """Raise a one-line ValueError naming `path` and the first keys where sd does not fit model."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in own
-             if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or wrong:
-        parts = [f"{name} {items[:3]}" for name, items in
-                 (("missing", missing), ("unexpected", unexpected), ("wrong shape (file vs model)", wrong)) if items]
-        raise ValueError(f"{path}: checkpoint does not fit the NOVA config: " + "; ".join(parts))
+    kwargs = {k: v for k, v in config["transformer"].items() if not k.startswith("_") and k != "arch_defs"}
+    arch_defs = {**(config["transformer"].get("arch_defs") or {}), **(config.get("arch_defs") or {})}  # custom archs
+    model = NOVA(**kwargs, scheduler=config["scheduler"], num_sampling_steps=config.get("num_diffusion_steps", 25),
+                 arch_defs=arch_defs or None)
+    model.config = dict(config)  # a plain dict, saved with the weights by train.py
+    return model
 
 
 def _read_json(path):
@@ -366,7 +357,7 @@ def load_nova(path, scheduler=None, num_sampling_steps=25, arch_defs=None):
         except Exception as e:  # absent, truncated or not a safetensors file
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ValueError(f"{file}: cannot read safetensors ({type(e).__name__}: {reason})") from None
-    check_state_dict(model, sd, files[0] if len(files) == 1 else folder)
+    checkpoints.check_state_dict(model, sd, files[0] if len(files) == 1 else folder)
     model.load_state_dict(sd, strict=True)
     return model.eval()
 
@@ -389,8 +380,8 @@ def embed_prompts(prompts, text_encoder_dir, model, tokenizer_dir=None, device="
         raise FileNotFoundError(f"embed_prompts: no such text encoder folder: {text_dir}")
     sibling = text_dir.parent / "tokenizer"
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else (sibling if sibling.is_dir() else text_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
-    encoder = transformers.PhiModel.from_pretrained(str(text_dir), dtype=torch.float32).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    encoder = transformers.PhiModel.from_pretrained(str(text_dir), dtype=torch.float32, local_files_only=True).to(device).eval()
     T = model.text_embed.num_tokens
     rows = []
     for prompt in prompts:

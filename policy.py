@@ -22,7 +22,10 @@ What this file decides, and why:
    default here) evaluates under z_i anyway (see mte.py, item 2, and the README's study).
 """
 
+import contextlib
+
 import torch
+import torch.nn as nn
 
 import grpo
 import masks
@@ -106,3 +109,32 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, cfg, seeds=None, unc
     if clip is not None:
         stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
     return loss, stats, new_old
+
+
+class PolicyLoss(nn.Module):
+    """The policy as a module whose forward is one AR step's GRPO loss, so DDP can wrap it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ref, record, j, inputs, adv, cfg, seeds=None, uncertain=None, old=None):
+        return rollout_loss(self.model, ref, record, j, inputs, adv, cfg, seeds, uncertain, old)
+
+
+def backward_rollout(loss_module, ddp, ref, record, inputs, adv, cfg, seeds, uncertain, olds, autocast):
+    """L = −mean_i (P_i − β KL_i): backward through each trained AR step's loss / #steps, one step
+    at a time (each graph is freed before the next); DDP's all-reduce happens once, on the last.
+    Forward passes run under `autocast`, backward outside it. Returns (stats, olds): stats is a
+    list of dicts of 0-dim tensors (each with the step's "loss"), read with one sync by the caller."""
+    n = len(record.steps)
+    stats, new_olds = [], []
+    for j in range(n):
+        sync = not ddp or j == n - 1
+        with contextlib.nullcontext() if sync else loss_module.no_sync():
+            with autocast():
+                loss, s, old = loss_module(ref, record, j, inputs, adv, cfg, seeds, uncertain, olds[j])
+            (loss / n).backward()
+        stats.append({**s, "loss": loss.detach()})
+        new_olds.append(old)
+    return stats, new_olds

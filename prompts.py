@@ -108,3 +108,29 @@ class Prompts:
             order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-per_cat // len(pool)))])
             items += [pool[i] for i in order[:per_cat]]
         return items
+
+
+def main(argv=None):
+    """`python prompts.py embed-nova --init NOVA_DIR --text-encoder PHI2_DIR --prompts FILE --out FILE`:
+    embed a prompt file once with NOVA's text encoder (Phi-2, from a local folder) into the
+    `--prompt-embeds` file train.py reads for --model nova: {"prompts": [str], "embeds": (N, T, D)}."""
+    import argparse
+    import nova
+    from checkpoints import atomic_save
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("command", choices=["embed-nova"])
+    p.add_argument("--init", required=True, help="NOVA pipeline folder (transformer/, scheduler/)")
+    p.add_argument("--text-encoder", required=True, help="local Phi-2 folder (the pipeline's text_encoder/)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: beside the text encoder)")
+    p.add_argument("--prompts", required=True, help="prompt file, one per line")
+    p.add_argument("--out", required=True, help="output .pt file")
+    args = p.parse_args(argv)
+    prompts = read_prompt_file(args.prompts, "text")
+    model = nova.load_nova(args.init)
+    embeds = nova.embed_prompts(prompts, args.text_encoder, model, args.tokenizer)  # (N, T, D)
+    atomic_save({"prompts": prompts, "embeds": embeds}, args.out)
+    print(f"{len(prompts)} prompt embeddings {tuple(embeds.shape)} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

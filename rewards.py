@@ -54,6 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import checkpoints
+
 REWARD_FLAG = "--reward"      # the spec flag, named in errors
 CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
 
@@ -281,16 +283,9 @@ def load_strict(module, state_dict, path, what):
 
     what: short description of the expected content, e.g. "open_clip 'ViT-H-14'".
     """
-    own = module.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(own[k].shape)}"
-              for k in own if k in state_dict and state_dict[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        parts = [f"{label} {items[:3]}" + (f" (+{len(items) - 3} more)" if len(items) > 3 else "")
-                 for label, items in (("missing", missing), ("unexpected", unexpected),
-                                      ("shape file vs model", shapes)) if items]
-        raise ValueError(f"weights in {path} do not fit {what}: " + "; ".join(parts))
+    problems = checkpoints.state_dict_mismatch(module.state_dict(), state_dict)
+    if problems:
+        raise ValueError(f"weights in {path} do not fit {what}: {problems}")
     module.load_state_dict(state_dict, strict=True)
 
 

@@ -278,11 +278,31 @@ def _layout(shapes, size, rng, relation):
     return [(cells[i // k], cells[i % k], lo) for i in range(len(shapes))]
 
 
-def render(meta, size=32, rng=None):
+def _cell_layout(shapes, size, rng, relation, cell):
+    """Objects aligned to a grid of cell × cell pixels: each object fills one cell (side cell − 1,
+    so objects in neighbouring cells never touch), in distinct random cells; a spatial prompt's
+    cells are drawn until its relation holds as clearly as in `_layout`."""
+    n = size // cell
+    if len(shapes) > n * n:
+        raise ValueError(f"{len(shapes)} objects do not fit a {n}×{n} grid of {cell}-px cells")
+    for _ in range(1000):
+        cells = rng.choice(n * n, size=len(shapes), replace=False).tolist()
+        boxes = [(c // n * cell, c % n * cell, cell - 1) for c in cells]
+        if relation is None:
+            return boxes
+        (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes, boxes))
+        if _relation_holds(ys - yr, xs - xr, relation, ratio=1.5, gap=1.0):
+            return boxes
+    raise ValueError(f"no {cell}-px cell layout of {shapes} satisfies {relation!r}")
+
+
+def render(meta, size=32, rng=None, cell=0):
     """Draw a prompt: (size, size, 3) uint8 RGB, black background.
 
     meta: metadata dict (see module docstring); size: canvas side in pixels (>= 16); rng:
-    numpy.random.Generator deciding object sizes and positions (same state -> same image).
+    numpy.random.Generator deciding object sizes and positions (same state -> same image);
+    cell: 0 for free sizes and positions, or a cell size in pixels to align every object to a
+    grid of cells (`_cell_layout`; the demo aligns them to its 8-px tokens).
     """
     if rng is None:
         raise ValueError("render needs rng: a numpy.random.Generator")
@@ -296,18 +316,19 @@ def render(meta, size=32, rng=None):
     if meta.get("relation") is not None and len(items) != 2:
         raise ValueError(f"a spatial meta needs two single objects, got {meta['objects']!r}")
     image = np.zeros((size, size, 3), dtype=np.uint8)  # (H, W, RGB)
-    boxes = _layout([s for _, s in items], size, rng, meta.get("relation"))
+    shapes_ = [s for _, s in items]
+    boxes = _cell_layout(shapes_, size, rng, meta.get("relation"), cell) if cell else _layout(shapes_, size, rng, meta.get("relation"))
     for (color, shape), (y, x, side) in zip(items, boxes):
         image[y:y + side, x:x + side][_patch(shape, side)] = COLORS[color]
     return image
 
 
-def make_dataset(n, size, rng, split="train"):
+def make_dataset(n, size, rng, split="train", cell=0):
     """n rendered prompts of a split: images (n, size, size, 3) uint8 and their metadata dicts."""
     metas = sample_prompts(n, rng, split)
     images = np.zeros((n, size, size, 3), dtype=np.uint8)  # (n, H, W, RGB)
     for i, meta in enumerate(metas):
-        images[i] = render(meta, size, rng)
+        images[i] = render(meta, size, rng, cell)
     return images, metas
 
 # ------------------------------------------------------------------ verifier

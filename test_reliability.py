@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
 import mar
+import models
 import rewards
 import train
 
@@ -168,7 +170,7 @@ def test_bad_input_leaves_an_existing_run_untouched(tmp_path, smoke_run, smoke_b
     this includes resuming from a checkpoint of another model size."""
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
-    other = mar.build_mar(train.small_mar_config(train.parse_args(["--preset", "smoke", "--embed-dim", "48"])))
+    other = mar.build_mar(models.small_mar_config(train.parse_args(["--preset", "smoke", "--embed-dim", "48"])))
     torch.save({"model": other.state_dict(), "optimizer": {}, "step": 9}, run / "ckpt" / "step_000009.pt")
     before = snapshot(run)
     for flags, words in [
@@ -405,12 +407,12 @@ def rss_mb():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
 def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base, capsys, monkeypatch):
-    rss, real = [], train.group_diversity
+    rss, real = [], evaluate.group_diversity
 
     def sampled(images, G):  # called once per GRPO step, in its logging stage
         rss.append(rss_mb())
         return real(images, G)
-    monkeypatch.setattr(train, "group_diversity", sampled)
+    monkeypatch.setattr(evaluate, "group_diversity", sampled)
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "50", "--save-every", "10", "--keep-last", "2",
                                            "--sample-every", "1000"))

@@ -17,11 +17,26 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
-from vae import (VAE_SCALE, diffusers_vae_to_ldm, ldm_vae_to_diffusers, load_vae,
-                      vae_config_from_ldm, vae_decode, vae_encode)
+from vae import (_ATTN_PROJ_WEIGHT, VAE_SCALE, _count_indices, _diffusers_key_to_ldm, ldm_vae_to_diffusers,
+                 load_vae, vae_config_from_ldm, vae_decode, vae_encode)
 
 _HERE = Path(__file__).resolve().parent
 _FIXTURE = _HERE / "fixtures" / "kl16_vae_state_dict.json"  # a verbatim copy of shared/fixtures
+
+
+def diffusers_vae_to_ldm(sd):
+    """The inverse of `vae.ldm_vae_to_diffusers` (test-only): diffusers `AutoencoderKL` names -> LDM names.
+
+    sd: {diffusers key: tensor}. Returns {LDM key: tensor}; attention projection weights go from
+    (C, C) back to (C, C, 1, 1). `diffusers_vae_to_ldm(ldm_vae_to_diffusers(sd)) == sd` exactly.
+    """
+    num_up_levels = _count_indices(sd, r"decoder\.up_blocks\.(\d+)\.")
+    out = {}
+    for key, value in sd.items():
+        if _ATTN_PROJ_WEIGHT.search(key) and value.ndim == 2:
+            value = value[:, :, None, None]  # (C, C) -> (C, C, 1, 1)
+        out[_diffusers_key_to_ldm(key, num_up_levels)] = value
+    return out
 
 
 def _fixture():
@@ -380,8 +395,8 @@ def test_load_vae_errors(tmp_path):
     wrong = dict(ldm_sd, **{"decoder.conv_in.weight": torch.zeros(64, 5, 3, 3)})
     torch.save({"model": wrong}, tmp_path / "wrong.ckpt")
     _one_line_value_error(tmp_path / "wrong.ckpt",
-                          "first mismatched keys: decoder.conv_in.weight (64, 5, 3, 3) "
-                          "vs expected (64, 4, 3, 3)")
+                          "wrong shape (file vs model) decoder.conv_in.weight (64, 5, 3, 3) "
+                          "vs (64, 4, 3, 3)")
 
     extra = dict(ldm_sd, **{"encoder.extra.weight": torch.zeros(3)})
     torch.save({"model": extra}, tmp_path / "extra.ckpt")

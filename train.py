@@ -8,20 +8,17 @@
     python train.py --eval-only --init CKPT --prompts FILE --out DIR
 
 Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL from `--init`),
-`--stage all` (the default: pretrain unless `--init` or a cached base exists, then GRPO, then
-evaluation of base and tuned models). The single-process path is the distributed path: DDP is
-used when torchrun sets RANK; rank 0 alone logs and writes. Every random draw of a step comes from
-a generator seeded by (seed, stage, step, rank) on the run's device, so a resumed run continues
-exactly as an uninterrupted one.
+`--stage all` (default: pretrain unless `--init` or a cached base exists, GRPO, then evaluation of
+base and tuned models). The single-process path is the distributed path: DDP when torchrun sets
+RANK; rank 0 alone logs and writes. Every random draw of a step comes from a generator seeded by
+(seed, stage, step, rank) on the run's device, so a resumed run continues exactly.
 
-When things go wrong (README, "When things go wrong"): flags are checked when parsed (ranges,
-finiteness) and files and cross-flag rules in `check_inputs`, then models, rewards and prompts are
-loaded, all before anything is written; a bad one is one line `error: ...` and exit status 2. A
-non-finite reward, advantage, loss or gradient skips that update and is counted; `--max-bad-steps`
-of them in a row stop the run (exit status 1). Checkpoints are written atomically
-(checkpoints.py); `--resume` takes the newest readable one, and a torchrun relaunch after a failure
-resumes by itself (run torchrun --max-restarts with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
-pytorch/pytorch#135712).
+When things go wrong: flags are checked when parsed (ranges, finiteness), cross-flag rules and
+files in `check_inputs`, then models, rewards and prompts are loaded, all before anything is
+written; a bad one is one line `error: ...`, exit status 2. A non-finite reward, advantage, loss or
+gradient skips that update; `--max-bad-steps` in a row stop the run (exit status 1). Checkpoints
+are written atomically (checkpoints.py); a torchrun relaunch after a failure resumes by itself
+(with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: pytorch/pytorch#135712).
 """
 
 import argparse
@@ -39,7 +36,6 @@ from dataclasses import fields
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -48,12 +44,13 @@ import evaluate
 import grpo
 import mar
 import masks
+import models
 import mte
 import policy
 import rewards
 import rollout
 import shapes
-from prompts import Prompts, read_prompt_file
+from prompts import read_prompt_file
 
 # -----------------------------------------------------------------------------
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
@@ -67,13 +64,27 @@ PRESETS = {
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
                   train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2),
-    # official MAR-B at 256 px on 8 GPUs, with the released MAR-GRPO hyperparameters (SPEC §8):
-    # 1 prompt × G = 4 images per GPU, 64 AR steps, 12 AR × 10 diffusion steps trained, β = 0.01,
-    # constant LR, 1200 steps, a checkpoint every 50, HPS v2.1 reward. CFG 3.0 and 100 diffusion
-    # steps are MAR-B's own sampling settings; lr 2e-6 is the NOVA run's.
+    # official MAR-B at 256 px on 8 GPUs with the released MAR-GRPO settings (SPEC §8); CFG 3 and 100
+    # diffusion steps are MAR-B's own sampling settings, lr 2e-6 the NOVA run's
     "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0, temperature=1.0,
                      steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
                      reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+    # the released Harmon-1.5B run (AMAP-ML/mar-grpo: scripts/debug_entry_harmon.py, trainer
+    # grpo_trainer_harmon_v1_2.py): 512 px (the config's 32×32 grid), CFG 3 constant, S = 5; only the
+    # MAR trains (models.set_trainable); T = 25, as the run's name ("25diff") says
+    "harmon": dict(model="harmon", model_config="harmon_1.5b", num_iter=64, num_sampling_steps=25, cfg=3.0,
+                   cfg_schedule="constant", temperature=1.0, steps=1200, prompts_per_step=8, group_size=4, lr=1e-6,
+                   train_ar_steps=12, train_diff_steps=10, mte_seeds=5, reward="hpsv2", save_every=50,
+                   sample_every=50, eval_prompts=0),
+    # the released NOVA run (scripts/debug_entry_nova.py, grpo_trainer_nova_v1_2.py): d48w1024-sd512,
+    # CFG 5 constant, 25 diffusion steps, S = 3; all but the diffusion MLP trains (models.set_trainable)
+    "nova": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
+                 steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
+                 mte_seeds=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+    # the Harmon and NOVA pipelines at toy size, for tests on a tiny model built from a config
+    "adapter_smoke": dict(num_iter=4, num_sampling_steps=6, cfg_schedule="constant", temperature=1.0, steps=2,
+                          prompts_per_step=2, group_size=2, train_ar_steps=2, train_diff_steps=2, mte_seeds=2,
+                          reward="jpeg_incompressibility", eval_prompts=2, sample_every=1, save_every=1, lr=1e-4),
 }
 
 
@@ -113,7 +124,7 @@ def build_parser():
     a("--preset", default="demo", choices=sorted(PRESETS), help="named group of defaults")
     a("--stage", default="all", choices=["pretrain", "grpo", "all"], help="what to run")
     a("--out", default=None, help="output folder (default runs/<preset>)")
-    a("--init", default=None, help="base checkpoint: ours or an official MAR .pth")
+    a("--init", default=None, help="base checkpoint: ours, an official MAR .pth, harmon_*.pth, or a NOVA pipeline folder")
     a("--resume", nargs="?", const="yes", default="no", choices=["no", "yes", "auto"],
       help="continue from the newest readable checkpoint in --out/ckpt: --resume (one must exist), --resume auto "
            "(if one exists; a torchrun relaunch does this by itself), or no (a fresh run replaces --out's checkpoints)")
@@ -124,7 +135,10 @@ def build_parser():
     a("--wandb", action="store_true", help="also log to Weights & Biases (if installed)")
     # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
     # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
-    a("--model", default="small", choices=["small", "mar_base", "mar_large", "mar_huge"], help="which model")
+    a("--model", default="small", choices=models.MODELS, help="which policy (models.py)")
+    a("--model-config", default="harmon_1.5b", help="Harmon: a released config name or a JSON config file")
+    a("--tokenizer", default=None, help="Harmon: the Qwen2.5 tokenizer folder (local)")
+    a("--prompt-embeds", default=None, help="NOVA: the prompts' Phi-2 embeddings (python prompts.py embed-nova)")
     a("--img-size", type=POS_INT, default=32, help="image size in pixels")
     a("--patch-size", type=POS_INT, default=4, help="pixels per token side (small model)")
     a("--embed-dim", type=POS_INT, default=128, help="transformer width (small model)")
@@ -133,8 +147,9 @@ def build_parser():
     a("--head-depth", type=POS_INT, default=3, help="diffusion-head residual blocks (small model)")
     a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
     a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 5)")
+    a("--cell", type=NONNEG_INT, default=0, help="pretraining images: objects aligned to cells of this many pixels (0 = free)")
     a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
-    a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for the official models")
+    a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for MAR and Harmon; NOVA: its vae/ folder (default: beside --init)")
     # sampling
     a("--num-iter", type=POS_INT, default=8, help="AR steps N per image")
     a("--num-sampling-steps", type=number(int, 3), default=16, help="diffusion steps T of the head")
@@ -213,8 +228,8 @@ def check_inputs(args, world):
     when parsed; file contents are checked next, by loading them, still before the first write.)
     world: the number of processes. Returns the GRPO config."""
     cfg = grpo_config(args)
-    if not train_diff_candidates(args):
-        raise ValueError(f"--min-diff-step {args.min_diff_step}: no trainable step left among 1 … {args.num_sampling_steps - 2}")
+    if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
     if args.prompts_per_step % world:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} "
                          "(each prompt's group is generated on one rank)")
@@ -226,11 +241,11 @@ def check_inputs(args, world):
         raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {world}")
     if will_pretrain(args) and args.model != "small":
         raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
-    for name in ("init", "prompts", "vae"):
+    for name in ("init", "prompts", "vae", "tokenizer", "prompt_embeds"):
         path = getattr(args, name)
-        if path is not None and not os.path.isfile(path):
-            raise FileNotFoundError(f"--{name}: no such file: {path}")
-    if args.model != "small" and args.vae is None:
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
+    if args.model not in ("small", "nova") and args.vae is None:
         raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
     if args.prompts is not None and args.init is None:  # the model will be a shapes model: parse now
         read_prompt_file(args.prompts, "shapes")
@@ -241,13 +256,8 @@ def check_inputs(args, world):
             raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} does not draw them")
     if args.resume == "yes" and not checkpoints.checkpoint_names(os.path.join(args.out, "ckpt")):
         raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(args.out, 'ckpt')} (--resume auto starts fresh if none)")
-    check_writable(args.out, "--out")
+    checkpoints.check_writable(args.out, "--out")
     return cfg
-
-
-def train_diff_candidates(args):
-    """The sampling steps a rollout may record: the head's trainable steps from --min-diff-step on."""
-    return [k for k in range(1, args.num_sampling_steps - 1) if k >= args.min_diff_step]
 
 
 def will_pretrain(args):
@@ -255,25 +265,6 @@ def will_pretrain(args):
     if args.eval_only or args.init is not None:
         return False
     return args.stage == "pretrain" or (args.stage == "all" and not os.path.exists(os.path.join(args.out, "base.pt")))
-
-
-def check_writable(path, name):
-    """Raise a one-line error naming flag `name` unless `path` is a writable folder or can be created
-    as one: its nearest existing ancestor is a folder where a file can be created (tried, and
-    removed again: permission bits alone pass /proc and read-only mounts)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise ValueError(f"{name} {path}: {p} is a file, not a folder")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise PermissionError(f"{name} {path}: {p} is not writable")
-    with contextlib.suppress(OSError):  # a folder that says it is writable but is not (e.g. /proc, a read-only mount)
-        probe = os.path.join(p, f".write_probe.{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
-        return
-    raise PermissionError(f"{name} {path}: cannot create files in {p}")
 
 
 # -----------------------------------------------------------------------------
@@ -353,38 +344,11 @@ class Stop(RuntimeError):
 # -----------------------------------------------------------------------------
 # Models, codecs, prompts, rewards
 
-def small_mar_config(args):
-    return dict(img_size=args.img_size, vae_stride=1, patch_size=args.patch_size, vae_embed_dim=3,
-                encoder_embed_dim=args.embed_dim, encoder_depth=args.depth, encoder_num_heads=args.heads,
-                decoder_embed_dim=args.embed_dim, decoder_depth=args.depth, decoder_num_heads=args.heads,
-                mlp_ratio=4.0, norm_eps=1e-6, class_num=1, buffer_size=shapes.MAX_PROMPT_TOKENS,
-                diffloss_d=args.head_depth, diffloss_w=args.head_width, mask_ratio_min=args.mask_ratio_min,
-                num_sampling_steps=str(args.num_sampling_steps), attn_dropout=0.0, proj_dropout=0.0,
-                diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB), clip_denoised=True,
-                local_conv=args.local_conv)
-
-
-def load_policy(args, path):
-    """The policy from a checkpoint (ours, or official with --model mar_*), with the run's sampler steps."""
-    if args.model == "small":
-        return mar.load_checkpoint(path, num_sampling_steps=str(args.num_sampling_steps))
-    factory = getattr(mar, args.model)
-    model = factory(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(args.num_sampling_steps))
-    return mar.load_checkpoint(path, model=model)
-
-
 def load_base(args, ctx, init):
     """The base policy from `init` (on ctx.device, frozen), its codec and the prompts; a missing,
     corrupt or mismatched checkpoint, VAE or prompt file fails here, before anything is written."""
-    base = load_policy(args, init).to(ctx.device).requires_grad_(False)
-    if base.config["vae_stride"] == 1:
-        codec = mar.PixelCodec()
-    else:
-        import vae
-        codec = vae.VAECodec(vae.load_vae(args.vae))
-    kind = "shapes" if base.config.get("text_vocab_size", 0) > 0 else "class"
-    items = read_prompt_file(args.prompts, kind, base.num_classes) if args.prompts else None
-    return base, codec, Prompts(kind, items, args.split, base.num_classes)
+    base = models.load_policy(args, init).to(ctx.device).requires_grad_(False)
+    return base, models.load_codec(args, base), models.load_prompts(args, base)
 
 
 def score(reward_fn, spec, images, texts, metas):
@@ -408,7 +372,7 @@ def pretrain(args, ctx):
     --max-bad-steps of them in a row stop the run before base.pt is written."""
     local_batch = args.pretrain_batch // ctx.world  # divisibility: check_inputs
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = mar.build_mar(small_mar_config(args)).to(ctx.device)
+    model = mar.build_mar(models.small_mar_config(args)).to(ctx.device)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.pretrain_lr,
@@ -421,7 +385,7 @@ def pretrain(args, ctx):
     for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
         # --- data: fresh renders of train-split prompts, a different slice on every rank
         rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
-        imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train")
+        imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train", cell=args.cell)
         x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
         ids = torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)
         # --- update: linear warm-up, then cosine decay to 10%
@@ -464,35 +428,6 @@ def pretrain(args, ctx):
 # -----------------------------------------------------------------------------
 # Stage 2: GRPO
 
-class PolicyLoss(nn.Module):
-    """The policy as a module whose forward is one AR step's GRPO loss, so DDP can wrap it."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ref, record, j, inputs, adv, cfg, seeds=None, uncertain=None, old=None):
-        return policy.rollout_loss(self.model, ref, record, j, inputs, adv, cfg, seeds, uncertain, old)
-
-
-def backward_rollout(loss_module, ddp, ref, record, inputs, adv, cfg, seeds, uncertain, olds, autocast):
-    """L = −mean_i (P_i − β KL_i): backward through each trained AR step's loss / #steps, one step
-    at a time (each graph is freed before the next); DDP's all-reduce happens once, on the last.
-    Forward passes run under `autocast`, backward outside it. Returns (stats, olds): stats is a
-    list of dicts of 0-dim tensors (each with the step's "loss"), read with one sync by the caller."""
-    n = len(record.steps)
-    stats, new_olds = [], []
-    for j in range(n):
-        sync = not ddp or j == n - 1
-        with contextlib.nullcontext() if sync else loss_module.no_sync():
-            with autocast():
-                loss, s, old = loss_module(ref, record, j, inputs, adv, cfg, seeds, uncertain, olds[j])
-            (loss / n).backward()
-        stats.append({**s, "loss": loss.detach()})
-        new_olds.append(old)
-    return stats, new_olds
-
-
 def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
     """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL);
     checkpoints, samples and metrics under args.out. Returns the final checkpoint path.
@@ -503,19 +438,27 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
     """
     local_prompts = args.prompts_per_step // ctx.world  # divisibility: check_inputs
     ref = base  # the frozen reference of the KL
-    model = copy.deepcopy(base).requires_grad_(True)
+    model = copy.deepcopy(base)
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
-    model.diffloss.requires_grad_(cfg.train_head)
-    (model.class_emb if prompts.is_shapes else getattr(model, "text_emb", nn.Identity())).requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = models.set_trainable(args, model, cfg.train_head)
+    diff_candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]  # what a rollout may record
+    if not diff_candidates:
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: the head trains steps {list(model.diffloss.trainable_steps())}")
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    loss_module = PolicyLoss(model)
+    loss_module = policy.PolicyLoss(model)
     if ctx.ddp:
         loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
-    ckpt_dir = os.path.join(args.out, "ckpt")
-    start, bad_total = resume(args, ctx, model, opt, ckpt_dir) if args.resume != "no" else (0, 0)
-    metrics_path = prepare_out(args, ctx, cfg, start)  # the stage's first write
+    ckpt_dir, metrics_path = os.path.join(args.out, "ckpt"), os.path.join(args.out, "metrics.jsonl")
+    start, bad_total = 0, 0
+    if args.resume != "no":
+        start, bad_total = checkpoints.resume_training(ckpt_dir, model, opt, args.resume == "yes",
+                                                       lambda msg: ctx.print0(msg, file=sys.stderr))
+        if start:
+            ctx.print0(f"resumed from step {start}")
+    if ctx.master:  # the stage's first write
+        checkpoints.start_run_folder(args.out, start, args.keep_last, {**vars(args), "grpo": vars(cfg), "world_size": ctx.world})
+    ctx.barrier()
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
                f"world size {ctx.world}; {cfg}")
 
@@ -529,7 +472,7 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         items = [it for it in items for _ in range(G)]  # each prompt's group stays together
         inputs = prompts.condition(items, ctx.device)
         plan_ar, plan_diff = grpo.choose_train_steps(len(model.ar_schedule(args.num_iter, model.seq_len)), args.train_ar_steps,
-                                                     train_diff_candidates(args), args.train_diff_steps, ctx.generator(3, step))
+                                                     diff_candidates, args.train_diff_steps, ctx.generator(3, step))
         plan = rollout.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff.to(ctx.device))
         with ctx.autocast():
             tokens, record = rollout.record_rollout(model, inputs, args.num_iter, args.cfg, args.cfg_schedule,
@@ -557,7 +500,7 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         olds = [None] * len(record.steps)
         skipped = False
         for epoch in range(cfg.inner_epochs):
-            step_stats, olds = backward_rollout(loss_module, ctx.ddp, ref, record, inputs, adv, cfg,
+            step_stats, olds = policy.backward_rollout(loss_module, ctx.ddp, ref, record, inputs, adv, cfg,
                                                 seeds, uncertain, olds, ctx.autocast)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if all_finite(ctx, scores, adv, [s["loss"] for s in step_stats], grad_norm):
@@ -572,7 +515,7 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         # --- logging: scalars (tensors until here) are averaged over ranks with one sync
         local = dict(reward_mean=scores.mean(), reward_std=scores.std() if len(scores) > 1 else 0.0,
                      adv_abs_mean=adv.abs().mean(), adv_max=adv.max(), grad_norm=grad_norm,
-                     diversity=group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                     diversity=evaluate.group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
                      **{key: torch.stack([s[key] for s in step_stats if key in s]).float().mean()
                         for key in step_stats[0]},
                      **{f"reward/{name}": value for name, value in info.get("means", {}).items()})
@@ -606,67 +549,6 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
     if ctx.master and os.path.exists(metrics_path):
         evaluate.plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
     return os.path.join(ckpt_dir, "latest.pt")
-
-
-def group_diversity(images, G):
-    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
-    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
-    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
-    return d.sum() / (d.shape[0] * G * (G - 1))
-
-
-def resume(args, ctx, model, opt, ckpt_dir):
-    """Load the newest readable checkpoint of ckpt_dir into model and optimizer. Every step's
-    randomness derives from (seed, step, rank), so the step is the only sampler state needed to
-    continue identically. Returns (step, non-finite steps so far); (0, 0) if there is none."""
-    found = checkpoints.newest_training_state(ckpt_dir, lambda msg: ctx.print0(msg, file=sys.stderr))
-    if found is None:
-        if args.resume == "yes":
-            raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
-        return 0, 0
-    path, state = found
-    checkpoints.check_state_dict(model, state["model"], path, "--resume")
-    model.load_state_dict(state["model"])
-    try:
-        opt.load_state_dict(state["optimizer"])
-    except ValueError as e:
-        raise ValueError(f"--resume {path}: its optimizer state does not fit this run's trained parameters "
-                         f"(another --method or --train-head?): {e}") from None
-    ctx.print0(f"resumed from step {state['step']}")
-    return int(state["step"]), int(state.get("bad_steps_total", 0))
-
-
-def prepare_out(args, ctx, cfg, start):
-    """The GRPO stage's first writes (rank 0): folders and config.json. A fresh run (start 0)
-    removes the previous run's checkpoints and metrics from --out; a resumed one keeps the metrics
-    rows of the steps before `start` (the others will be redone). Returns the metrics path."""
-    ckpt_dir = os.path.join(args.out, "ckpt")
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if ctx.master:
-        os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-        os.makedirs(ckpt_dir, exist_ok=True)
-        if start == 0:
-            old = [os.path.join(ckpt_dir, f) for f in checkpoints.checkpoint_names(ckpt_dir) + ["latest.pt"]] + [metrics_path]
-            old = [path for path in old if os.path.exists(path)]
-            if old:
-                print(f"a fresh run in {args.out}: removing the previous run's checkpoints and metrics "
-                      "(--resume continues a run instead)", flush=True)
-            for path in old:
-                os.remove(path)
-        elif os.path.exists(metrics_path):
-            keep = []
-            for line in open(metrics_path):
-                with contextlib.suppress(ValueError):  # a line cut short by a crash is dropped
-                    if json.loads(line)["step"] < start:
-                        keep.append(line)
-            with open(metrics_path + ".tmp", "w") as f:
-                f.writelines(keep)
-            os.replace(metrics_path + ".tmp", metrics_path)
-        checkpoints.prune_checkpoints(ckpt_dir, args.keep_last)  # also the temporary file of a killed write
-        with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump({**vars(args), "grpo": vars(cfg), "world_size": ctx.world}, f, indent=1)
-    ctx.barrier()
-    return metrics_path
 
 
 # -----------------------------------------------------------------------------
@@ -711,7 +593,7 @@ def main(argv=None):
         # --- evaluation of the base and the tuned model on the same prompts and seeds: held-out
         # compositions (eval/base, eval/tuned) and, for shapes prompts, the training split too
         # (eval/base_train, eval/tuned_train: the prompts RL saw, with fresh seeds)
-        tuned = load_policy(args, final).to(ctx.device)
+        tuned = models.prepare_copy(args, models.load_policy(args, final), base).to(ctx.device)
         splits = ["heldout", "train"] if args.prompts is None and prompts.is_shapes else ["heldout"]
         report = {}
         for split in splits:

@@ -19,6 +19,8 @@ import re
 import torch
 from diffusers import AutoencoderKL
 
+import checkpoints
+
 # ---------------------------------------------------------------------------------------------
 # KL-16 VAE: LDM checkpoint -> diffusers AutoencoderKL, and the image <-> latent codec (SPEC §10)
 # ---------------------------------------------------------------------------------------------
@@ -109,21 +111,6 @@ def ldm_vae_to_diffusers(sd):
     return out
 
 
-def diffusers_vae_to_ldm(sd):
-    """Inverse of `ldm_vae_to_diffusers`: diffusers `AutoencoderKL` names -> LDM names.
-
-    sd: {diffusers key: tensor}. Returns {LDM key: tensor}; attention projection weights go from
-    (C, C) back to (C, C, 1, 1). `diffusers_vae_to_ldm(ldm_vae_to_diffusers(sd)) == sd` exactly.
-    """
-    num_up_levels = _count_indices(sd, r"decoder\.up_blocks\.(\d+)\.")
-    out = {}
-    for key, value in sd.items():
-        if _ATTN_PROJ_WEIGHT.search(key) and value.ndim == 2:
-            value = value[:, :, None, None]  # (C, C) -> (C, C, 1, 1)
-        out[_diffusers_key_to_ldm(key, num_up_levels)] = value
-    return out
-
-
 def vae_config_from_ldm(sd):
     """Read the `AutoencoderKL(**config)` arguments off the shapes of an LDM VAE state dict.
 
@@ -176,24 +163,6 @@ def vae_config_from_ldm(sd):
     )
 
 
-def _state_dict_mismatch(got, expected, num_up_levels):
-    """One line naming what differs between two diffusers state dicts, in LDM key names."""
-    def ldm(key):
-        return _diffusers_key_to_ldm(key, num_up_levels)
-
-    missing = [ldm(k) for k in expected if k not in got]
-    unexpected = [ldm(k) for k in got if k not in expected]
-    wrong_shape = [f"{ldm(k)} {tuple(got[k].shape)} vs expected {tuple(expected[k].shape)}"
-                   for k in expected if k in got and got[k].shape != expected[k].shape]
-    parts = []
-    for what, keys in (("missing", missing), ("unexpected", unexpected),
-                       ("first mismatched keys:", wrong_shape)):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            parts.append(f"{what} {', '.join(keys[:3])}{more}")
-    return "; ".join(parts)
-
-
 def load_vae(path):
     """Load an LDM-format KL VAE `.ckpt` (the released MAR `kl16.ckpt`) as a diffusers model.
 
@@ -226,7 +195,8 @@ def load_vae(path):
         raise ValueError(f"--vae {path}: {e}") from None
     vae = AutoencoderKL(**config, scaling_factor=VAE_SCALE)
     sd = ldm_vae_to_diffusers(ldm_sd)
-    problems = _state_dict_mismatch(sd, vae.state_dict(), len(config["up_block_types"]))
+    problems = checkpoints.state_dict_mismatch(  # named as in the file (LDM keys)
+        vae.state_dict(), sd, display=lambda key: _diffusers_key_to_ldm(key, len(config["up_block_types"])))
     if problems:
         raise ValueError(f"--vae {path}: not an LDM KL VAE checkpoint ({problems})")
     vae.load_state_dict(sd, strict=True)
@@ -277,3 +247,30 @@ class VAECodec:
 
     def decode(self, latents):
         return vae_decode(self.vae, latents)
+
+
+class DiffusersCodec:
+    """A VAE saved in diffusers' format (a folder with config.json and weights, e.g. the `vae/`
+    folder of a NOVA pipeline), with its own latent scale and shift, as NOVA's pipeline applies
+    them: latent = (posterior mean − shift) · scale; decode(latent / scale + shift). Local only."""
+
+    def __init__(self, folder, flag="--vae"):
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{flag}: no such VAE folder: {folder}")
+        try:
+            self.vae = AutoencoderKL.from_pretrained(folder, local_files_only=True).eval().requires_grad_(False)
+        except (OSError, ValueError, EnvironmentError) as e:
+            raise ValueError(f"{flag} {folder}: not a diffusers AutoencoderKL folder ({str(e).splitlines()[0][:200]})") from None
+        self.scale = self.vae.config.scaling_factor
+        self.shift = self.vae.config.shift_factor or 0.0
+
+    @torch.no_grad()
+    def encode(self, images, generator=None):
+        posterior = self.vae.encode((2 * images - 1).to(self.vae.dtype)).latent_dist
+        z = posterior.mean if generator is None else posterior.sample(generator=generator)
+        return (z - self.shift) * self.scale
+
+    @torch.no_grad()
+    def decode(self, latents):
+        x = self.vae.decode((latents / self.scale + self.shift).to(self.vae.dtype)).sample
+        return ((x + 1) / 2).clamp(0, 1)

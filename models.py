@@ -1,0 +1,151 @@
+"""The policies train.py drives, by name, each with its codec and its prompts.
+
+`--model` names one of: the small MAR of the shapes world (`small`, pretrained by train.py), the
+official MAR models (`mar_base`, `mar_large`, `mar_huge`: class labels, KL-16 latents), Harmon
+(`harmon`: text through Qwen2.5, KL-16 latents, harmon.py) and NOVA (`nova`: precomputed Phi-2
+prompt embeddings, its own VAE, nova.py). This is the one place that knows which is which; the
+recorder, the loss and the training loop see only rollout.py's policy interface.
+
+What trains under RL (`set_trainable`), following the released trainers (AMAP-ML/mar-grpo):
+- MAR: the transformer (encoder, decoder, condition embedding); the head only with --train-head.
+- Harmon: only the MAR encoder/decoder (`fix_head`; the LLM, proj_in and proj_out stay frozen
+  but in the graph, so gradients reach the MAR encoder through the LLM).
+- NOVA: the whole transformer except its diffusion MLP `image_decoder` (`fix_head`).
+"""
+
+import os
+
+import torch.nn as nn
+
+import checkpoints
+import mar
+import shapes
+from prompts import Prompts, read_prompt_file
+
+MODELS = ["small", "mar_base", "mar_large", "mar_huge", "harmon", "nova"]
+
+
+def small_mar_config(args):
+    """The small pixel-token MAR of the shapes world, from the size flags."""
+    return dict(img_size=args.img_size, vae_stride=1, patch_size=args.patch_size, vae_embed_dim=3,
+                encoder_embed_dim=args.embed_dim, encoder_depth=args.depth, encoder_num_heads=args.heads,
+                decoder_embed_dim=args.embed_dim, decoder_depth=args.depth, decoder_num_heads=args.heads,
+                mlp_ratio=4.0, norm_eps=1e-6, class_num=1, buffer_size=shapes.MAX_PROMPT_TOKENS,
+                diffloss_d=args.head_depth, diffloss_w=args.head_width, mask_ratio_min=args.mask_ratio_min,
+                num_sampling_steps=str(args.num_sampling_steps), attn_dropout=0.0, proj_dropout=0.0,
+                diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB), clip_denoised=True,
+                local_conv=args.local_conv)
+
+
+def _ours(path):
+    """The {"model", "config"} dict of a checkpoint train.py wrote, or None for another file."""
+    if not path.endswith(".pt") or not os.path.isfile(path):
+        return None
+    ckpt = checkpoints.read_checkpoint(path)
+    return ckpt if isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict) else None
+
+
+def load_policy(args, path):
+    """The policy in eval mode on the CPU from `path`: an official release or a checkpoint of ours,
+    with the run's number of diffusion steps."""
+    T = args.num_sampling_steps
+    if args.model == "small":
+        return mar.load_checkpoint(path, num_sampling_steps=str(T))
+    if args.model.startswith("mar_"):
+        model = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(T))
+        return mar.load_checkpoint(path, model=model)
+    ours = _ours(path)
+    if args.model == "harmon":
+        import harmon
+        config = ours["config"] if ours else harmon_config(args)
+        config = dict(config, mar=dict(config["mar"], num_sampling_steps=str(T)))
+        return harmon.load_harmon(path, config)
+    import nova
+    if ours:
+        model = nova.build(dict(ours["config"], num_diffusion_steps=T))
+        checkpoints.check_state_dict(model, ours["model"], path)
+        model.load_state_dict(ours["model"])
+        return model.eval()
+    return nova.load_nova(path, num_sampling_steps=T)
+
+
+def harmon_config(args):
+    """--model-config: a released Harmon config name (harmon.CONFIGS) or a JSON file of one."""
+    import harmon
+    if args.model_config in harmon.CONFIGS:
+        return harmon.CONFIGS[args.model_config]
+    if args.model_config and os.path.isfile(args.model_config):
+        import json
+        with open(args.model_config) as f:
+            return json.load(f)
+    raise ValueError(f"--model-config {args.model_config!r}: a name in {sorted(harmon.CONFIGS)} or a JSON config file")
+
+
+def load_codec(args, model):
+    """Latent images <-> pixels: raw pixels (small), the KL-16 VAE (--vae: MAR, Harmon), or the
+    NOVA pipeline's own VAE (the vae/ folder beside --init)."""
+    if args.model == "small":
+        return mar.PixelCodec()
+    if args.model == "nova":
+        import vae
+        folder = os.path.join(os.path.dirname(os.path.abspath(args.init.rstrip("/"))), "vae") \
+            if not os.path.isdir(os.path.join(args.init, "vae")) else os.path.join(args.init, "vae")
+        return vae.DiffusersCodec(args.vae or folder)
+    import vae
+    return vae.VAECodec(vae.load_vae(args.vae))
+
+
+def load_prompts(args, model):
+    """The run's Prompts: shapes prompts, class indices, or text lines encoded for the model."""
+    if args.model == "small":
+        items = read_prompt_file(args.prompts, "shapes") if args.prompts else None
+        return Prompts("shapes", items, args.split)
+    if args.model.startswith("mar_"):
+        items = read_prompt_file(args.prompts, "class", model.num_classes) if args.prompts else None
+        return Prompts("class", items, num_classes=model.num_classes)
+    if args.prompts is None:
+        raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
+    items = read_prompt_file(args.prompts, "text")
+    return Prompts("text", items, encode=text_encoder(args, model))
+
+
+def text_encoder(args, model):
+    """prompts (list of str), device -> condition inputs: Harmon's tokenizer (--tokenizer, a local
+    folder), or NOVA's precomputed embeddings (--prompt-embeds, written by `python nova.py`)."""
+    if args.model == "harmon":
+        import harmon
+        if not args.tokenizer:
+            raise ValueError("--tokenizer: --model harmon needs the Qwen2.5 tokenizer folder")
+        tokenizer = harmon.load_tokenizer(args.tokenizer)
+        harmon.set_null_prompt_from_tokenizer(model, tokenizer)
+        return lambda prompts, device: {k: v.to(device) for k, v in harmon.prompt_ids(tokenizer, prompts).items()}
+    if not args.prompt_embeds:
+        raise ValueError("--prompt-embeds: --model nova needs the prompts' Phi-2 embeddings (python nova.py --help)")
+    table = checkpoints.read_checkpoint(args.prompt_embeds, "--prompt-embeds")
+    if not isinstance(table, dict) or not {"prompts", "embeds"} <= table.keys():
+        raise ValueError(f"--prompt-embeds {args.prompt_embeds}: expected a dict with 'prompts' and 'embeds'")
+    index = {p: i for i, p in enumerate(table["prompts"])}
+    missing = [p for p in read_prompt_file(args.prompts, "text") if p not in index]
+    if missing:
+        raise ValueError(f"--prompt-embeds {args.prompt_embeds}: no embedding for {len(missing)} prompts, e.g. {missing[0]!r}")
+    return lambda prompts, device: dict(prompt_embeds=table["embeds"][[index[p] for p in prompts]].to(device))
+
+
+def prepare_copy(args, model, base):
+    """A policy loaded from a checkpoint gets what is not in its weights (Harmon's null prompt ids)."""
+    if args.model == "harmon":
+        model.set_null_prompt(base.null_input_ids.cpu(), base.pad_token_id)
+    return model
+
+
+def set_trainable(args, model, train_head):
+    """requires_grad as the released trainers set it (module docstring); returns the trained parameters."""
+    model.requires_grad_(args.model != "harmon")
+    if args.model == "harmon":
+        model.mar.requires_grad_(True)
+    if args.model == "small":
+        model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
+    elif args.model.startswith("mar_"):
+        getattr(model, "text_emb", nn.Identity()).requires_grad_(False)
+    model.diffloss.requires_grad_(train_head)
+    return [p for p in model.parameters() if p.requires_grad]
