@@ -17,23 +17,19 @@ official code. The policy log-probability of one transition, per element (SPEC �
     ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t  (taken from the rollout)
 
 Where this file departs from what one might expect:
-1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine "squaredcos_cap_v2", 1000
-   training steps, "linspace" spacing) and are respaced exactly as the official code does
-   (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}). They are computed once, in float64, and kept as float32
-   buffers on the model's device; the official code converts numpy arrays on every step.
-2. The starting noise x^T is *not* scaled by the temperature τ: the official MAR code scales only
-   the per-step noise (SPEC §1 writes N(0, τ² I); the official behaviour wins, since official
-   checkpoints are calibrated to it). x^T enters no transition log-probability either way.
-3. The official sampler doubles x with CFG and returns both halves; here `x_t` has one copy (the
-   guided rows) and `z` has 2N rows [cond; null]. The outputs equal the official first half.
-4. Sampling steps are indexed k = 0 … T−1 in the respaced schedule (k = T−1 is pure noise); the
-   net sees the original timestep t_k ∈ [0, 999], as in the official `_WrappedModel`.
+1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
+   respaced exactly as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), computed once in
+   float64 and kept as float32 buffers; the official code converts numpy arrays every step.
+2. x^T is *not* scaled by τ: the official code scales only the per-step noise (SPEC §1 writes
+   N(0, τ² I); official checkpoints are calibrated to the code). x^T enters no log-probability.
+3. With CFG, `x_t` has one copy (the guided rows) and `z` has 2N rows [cond; null]; the outputs
+   equal the official sampler's first half.
+4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
 5. RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
-   ill-conditioned in float32 for its log-probability to be recomputed (see there).
-6. `clip_denoised` (off by default, as official) clamps x̂0 to [-1, 1]. At the pure-noise step
-   μ ≈ (x^t − ε̂)/√α with 1/√α ≈ 1300 (T = 25), so a head whose ε̂ is off by 0.04 there, as a
-   briefly trained one is, samples tokens of size ~800; official MAR heads are trained long enough
-   for this not to matter. Pixel tokens have a known range, so the small models clamp.
+   ill-conditioned in float32 for its log-probability to be recomputed.
+6. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1]: at the pure-noise step 1/√α ≈ 1300
+   (T = 25), so a briefly trained head samples tokens of size ~800. Pixel tokens have a known
+   range, so the small models clamp.
 """
 
 import math
@@ -42,6 +38,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 from diffusers import DDPMScheduler
+from diffusers.models.embeddings import get_timestep_embedding
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -65,19 +62,10 @@ class TimestepEmbedder(nn.Module):
         )
         self.frequency_embedding_size = frequency_embedding_size
 
-    @staticmethod
-    def timestep_embedding(t, dim, max_period=10000):
-        """t: (N,) timesteps -> (N, dim) [cos | sin] features."""
-        half = dim // 2
-        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-        args = t[:, None].float() * freqs[None]  # (N, half)
-        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
-        if dim % 2:
-            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
-        return embedding
-
     def forward(self, t):
-        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)  # (N, 256) float32
+        # [cos | sin] of t · 10000^(−k/half): diffusers' function computes the official (DiT) features
+        t_freq = get_timestep_embedding(t, self.frequency_embedding_size, flip_sin_to_cos=True,
+                                        downscale_freq_shift=0)  # (N, 256) float32
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
@@ -266,25 +254,6 @@ def transition_logprob(x_prev, mean, std):
     std: (..., C) s = τ σ_t, held fixed (detach it before calling if it came from the model).
     """
     return -((x_prev - mean) ** 2) / (2 * std ** 2) - torch.log(std) - LOG_SQRT_2PI
-
-
-def transition_mean(head, x_t, steps, z, z_null, w):
-    """μ of recorded transitions, differentiable in z and the head (any head with the
-    `p_mean_variance` contract of DiffLoss: MAR's, Harmon's, NOVA's).
-
-    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: (K,) sampling steps;
-    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance.
-    returns μ: (K, *rows, C)
-    """
-    K, C = x_t.shape[0], x_t.shape[-1]
-    n = x_t[0, ..., 0].numel()  # rows per diffusion step
-    z_rows = z.reshape(n, -1)  # (n, D)
-    if z_null is not None:
-        z_rows = torch.cat([z_rows, z_null.reshape(n, -1)])  # (2n, D) = [cond; null]
-    # one call per diffusion step with a 0-dim step, as the sampler makes it: the same arithmetic,
-    # so recomputed and recorded log-probabilities agree to float rounding (SPEC §2)
-    mean = [head.p_mean_variance(x_t[k].reshape(n, C), steps[k], z_rows, w)[0] for k in range(K)]
-    return torch.stack(mean).reshape(x_t.shape)
 
 
 def trainable_steps(num_steps):

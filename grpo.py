@@ -19,9 +19,11 @@ What the paper says, what the released code does, and what this file does:
 3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between the
    transition Gaussians). Here: the exact KL (μ_θ − μ_ref)² / (2 s²) by default ("gaussian"),
    with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
-4. Normalisation. As released: each AR step's policy term is normalised by its kept elements,
-   its KL by its unknown elements, and the loss is the mean over trained AR steps; each step is
-   backpropagated on its own (the caller divides by the number of steps).
+4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
+   its KL by its unknown elements, and each step is backpropagated on its own. Released: the
+   per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
+   is their mean). Here: L = −mean_i(…) as SPEC §6 writes it (policy.backward_rollout divides
+   each step by their number): the same direction, 1/#steps the size before clipping.
 5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. Here:
    drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
    (never the pure-noise step; see diffloss.py).

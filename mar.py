@@ -30,8 +30,8 @@ What this file adds or changes, in order of importance:
    locality at once (README, "The demo's base"). Official models never set it, and their
    checkpoints load and compute exactly as before.
 
-Image <-> token codecs (pixel patches; the KL-16 VAE through diffusers) and checkpoint loading
-(official `.pth` and ours) live at the end of the file.
+The pixel codec lives at the end of the file; the KL-16 VAE is vae.py, and loading official
+`.pth` files (and ours) is models.load_checkpoint.
 """
 
 import math
@@ -43,8 +43,8 @@ from torch.utils.checkpoint import checkpoint
 from timm.models.vision_transformer import Block
 from tqdm import tqdm
 
-from checkpoints import check_state_dict, read_checkpoint
 from diffloss import DiffLoss
+from rollout import guidance_weight
 
 
 def unknown_after_step(step, num_iter, seq_len, num_unknown):
@@ -353,12 +353,7 @@ class MAR(nn.Module):
             n_next = num_unknown - count
             mask_next = torch.zeros(bsz, L, device=device).scatter(1, orders[:, :n_next], 1.0)
             mask_to_pred = mask.bool() & ~mask_next.bool()  # (B, L) P_i
-            if cfg_schedule == "linear":  # the official code uses max(n_next, 1) here
-                cfg_iter = 1 + (cfg - 1) * (L - max(n_next, 1)) / L
-            elif cfg_schedule == "constant":
-                cfg_iter = cfg
-            else:
-                raise NotImplementedError(cfg_schedule)
+            cfg_iter = guidance_weight(cfg, cfg_schedule, n_next, L)  # constant, or linear as the official code
 
             idx = mask_to_pred.nonzero(as_tuple=True)
             z_head = z[:bsz][idx]  # (M, D)
@@ -399,61 +394,6 @@ def build_mar(config):
     config = dict(config)
     norm_eps = config.pop("norm_eps", 1e-6)
     return MAR(norm_layer=partial(nn.LayerNorm, eps=norm_eps), **config)
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: official MAR `.pth` files and this project's own
-
-def mar_config_from_state_dict(sd, args=None):
-    """Infer MAR constructor arguments from an official state dict's shapes (and its pickled
-    args when present). Head counts are not in the shapes: the official models use 64-dim heads
-    except mar_large/huge (16 heads)."""
-    def depth(prefix):  # number of distinct indices i in "prefix.i.*"
-        return len({k[len(prefix) + 1:].split(".")[0] for k in sd if k.startswith(prefix + ".")})
-    enc_dim, tok_dim = sd["z_proj.weight"].shape
-    dec_dim = sd["decoder_embed.weight"].shape[0]
-    seq_len = sd["diffusion_pos_embed_learned"].shape[1]
-    heads = {768: 12, 1024: 16, 1280: 16}
-    get = (lambda name, default: getattr(args, name, default)) if args is not None else (lambda name, default: default)
-    vae_embed_dim = get("vae_embed_dim", tok_dim)
-    patch_size = get("patch_size", 1)
-    vae_stride = get("vae_stride", 16)
-    return dict(
-        img_size=get("img_size", int(round(math.sqrt(seq_len))) * patch_size * vae_stride),
-        vae_stride=vae_stride, patch_size=patch_size, vae_embed_dim=vae_embed_dim,
-        encoder_embed_dim=enc_dim, encoder_depth=depth("encoder_blocks"), encoder_num_heads=heads.get(enc_dim, max(1, enc_dim // 64)),
-        decoder_embed_dim=dec_dim, decoder_depth=depth("decoder_blocks"), decoder_num_heads=heads.get(dec_dim, max(1, dec_dim // 64)),
-        mlp_ratio=sd["encoder_blocks.0.mlp.fc1.weight"].shape[0] / enc_dim, norm_eps=1e-6,
-        class_num=sd["class_emb.weight"].shape[0],
-        buffer_size=sd["encoder_pos_embed_learned"].shape[1] - seq_len,
-        diffloss_d=depth("diffloss.net.res_blocks"),
-        diffloss_w=sd["diffloss.net.input_proj.weight"].shape[0],
-        num_sampling_steps=str(get("num_sampling_steps", "100")),
-        text_vocab_size=sd["text_emb.weight"].shape[0] if "text_emb.weight" in sd else 0,
-    )
-
-
-def load_checkpoint(path, ema=True, model=None, flag="--init", **overrides):
-    """Load an official MAR `.pth` ({'model', 'model_ema', 'args'}) or one of ours ({'model',
-    'config', ...}) into a MAR, in eval mode.
-
-    ema: take 'model_ema' when the file has it (official default), else 'model'.
-    model: load into this model (strict); otherwise build one from the file's config (ours) or
-           from the state dict's shapes and pickled args (official); `overrides` replace config
-           entries (e.g. num_sampling_steps="100").
-    """
-    ckpt = read_checkpoint(path, flag)
-    if not isinstance(ckpt, dict) or not ("model" in ckpt or "model_ema" in ckpt):
-        raise ValueError(f"{flag} {path}: not a MAR checkpoint (expected a dict with 'model' or 'model_ema')")
-    sd = ckpt["model_ema"] if ema and "model_ema" in ckpt else ckpt.get("model", ckpt.get("model_ema"))
-    if model is None:
-        if "z_proj.weight" not in sd:
-            raise ValueError(f"{flag} {path}: not a MAR checkpoint (no 'z_proj.weight' in its state dict)")
-        config = ckpt["config"] if isinstance(ckpt.get("config"), dict) else mar_config_from_state_dict(sd, ckpt.get("args"))
-        model = build_mar({**config, **overrides})
-    check_state_dict(model, sd, path, flag)
-    model.load_state_dict(sd, strict=True)
-    return model.eval()
 
 
 # -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ What trains under RL (`set_trainable`), following the released trainers (AMAP-ML
 - NOVA: the whole transformer except its diffusion MLP `image_decoder` (`fix_head`).
 """
 
+import math
 import os
 
 import torch.nn as nn
@@ -45,15 +46,70 @@ def _ours(path):
     return ckpt if isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict) else None
 
 
+# -----------------------------------------------------------------------------
+# MAR checkpoints: official `.pth` files and this project's own
+
+def mar_config_from_state_dict(sd, args=None):
+    """Infer MAR constructor arguments from an official state dict's shapes (and its pickled
+    args when present). Head counts are not in the shapes: the official models use 64-dim heads
+    except mar_large/huge (16 heads)."""
+    def depth(prefix):  # number of distinct indices i in "prefix.i.*"
+        return len({k[len(prefix) + 1:].split(".")[0] for k in sd if k.startswith(prefix + ".")})
+    enc_dim, tok_dim = sd["z_proj.weight"].shape
+    dec_dim = sd["decoder_embed.weight"].shape[0]
+    seq_len = sd["diffusion_pos_embed_learned"].shape[1]
+    heads = {768: 12, 1024: 16, 1280: 16}
+    get = (lambda name, default: getattr(args, name, default)) if args is not None else (lambda name, default: default)
+    vae_embed_dim = get("vae_embed_dim", tok_dim)
+    patch_size = get("patch_size", 1)
+    vae_stride = get("vae_stride", 16)
+    return dict(
+        img_size=get("img_size", int(round(math.sqrt(seq_len))) * patch_size * vae_stride),
+        vae_stride=vae_stride, patch_size=patch_size, vae_embed_dim=vae_embed_dim,
+        encoder_embed_dim=enc_dim, encoder_depth=depth("encoder_blocks"), encoder_num_heads=heads.get(enc_dim, max(1, enc_dim // 64)),
+        decoder_embed_dim=dec_dim, decoder_depth=depth("decoder_blocks"), decoder_num_heads=heads.get(dec_dim, max(1, dec_dim // 64)),
+        mlp_ratio=sd["encoder_blocks.0.mlp.fc1.weight"].shape[0] / enc_dim, norm_eps=1e-6,
+        class_num=sd["class_emb.weight"].shape[0],
+        buffer_size=sd["encoder_pos_embed_learned"].shape[1] - seq_len,
+        diffloss_d=depth("diffloss.net.res_blocks"),
+        diffloss_w=sd["diffloss.net.input_proj.weight"].shape[0],
+        num_sampling_steps=str(get("num_sampling_steps", "100")),
+        text_vocab_size=sd["text_emb.weight"].shape[0] if "text_emb.weight" in sd else 0,
+    )
+
+
+def load_checkpoint(path, ema=True, model=None, flag="--init", **overrides):
+    """Load an official MAR `.pth` ({'model', 'model_ema', 'args'}) or one of ours ({'model',
+    'config', ...}) into a MAR, in eval mode.
+
+    ema: take 'model_ema' when the file has it (official default), else 'model'.
+    model: load into this model (strict); otherwise build one from the file's config (ours) or
+           from the state dict's shapes and pickled args (official); `overrides` replace config
+           entries (e.g. num_sampling_steps="100").
+    """
+    ckpt = checkpoints.read_checkpoint(path, flag)
+    if not isinstance(ckpt, dict) or not ("model" in ckpt or "model_ema" in ckpt):
+        raise ValueError(f"{flag} {path}: not a MAR checkpoint (expected a dict with 'model' or 'model_ema')")
+    sd = ckpt["model_ema"] if ema and "model_ema" in ckpt else ckpt.get("model", ckpt.get("model_ema"))
+    if model is None:
+        if "z_proj.weight" not in sd:
+            raise ValueError(f"{flag} {path}: not a MAR checkpoint (no 'z_proj.weight' in its state dict)")
+        config = ckpt["config"] if isinstance(ckpt.get("config"), dict) else mar_config_from_state_dict(sd, ckpt.get("args"))
+        model = mar.build_mar({**config, **overrides})
+    checkpoints.check_state_dict(model, sd, path, flag)
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
 def load_policy(args, path):
     """The policy in eval mode on the CPU from `path`: an official release or a checkpoint of ours,
     with the run's number of diffusion steps."""
     T = args.num_sampling_steps
     if args.model == "small":
-        return mar.load_checkpoint(path, num_sampling_steps=str(T))
+        return load_checkpoint(path, num_sampling_steps=str(T))
     if args.model.startswith("mar_"):
         model = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(T))
-        return mar.load_checkpoint(path, model=model)
+        return load_checkpoint(path, model=model)
     ours = _ours(path)
     if args.model == "harmon":
         import harmon

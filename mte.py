@@ -27,7 +27,8 @@ What the paper says, what the released code does, and what this file does:
 
 import torch
 
-from diffloss import transition_logprob, transition_mean
+from diffloss import transition_logprob
+from rollout import transition_mean
 
 
 @torch.no_grad()

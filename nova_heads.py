@@ -44,8 +44,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers.models.embeddings import get_timestep_embedding
 
-from diffloss import TimestepEmbedder, transition_logprob
+from diffloss import transition_logprob
 
 
 # -----------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class TimeCondEmbed(nn.Module):
         self.freq_dim = freq_dim
 
     def forward(self, timestep, z):
-        freq = TimestepEmbedder.timestep_embedding(timestep, self.freq_dim)  # (N, 256), [cos | sin]
+        freq = get_timestep_embedding(timestep, self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)  # (N, 256) [cos | sin]
         return self.condition_proj(z) + self.timestep_proj(freq.to(z.dtype))
 
 

@@ -30,8 +30,8 @@ import torch.nn as nn
 import grpo
 import masks
 import mte
-from diffloss import transition_logprob, transition_mean
-from rollout import cat_rows
+from diffloss import transition_logprob
+from rollout import cat_rows, transition_mean
 
 
 def recompute_z(model, step, inputs, guided):

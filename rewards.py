@@ -27,7 +27,7 @@ Rewards, the weight files they need, and where those files are published
 
 | `--reward` name | score | `weights` key -> file | where the official file is published |
 |---|---|---|---|
-| `shapes` | verifier score of the shapes world (`shapes.verify_batch`) | none | - (rendered world in shapes.py) |
+| `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in shapes.py) |
 | `jpeg_compressibility` | -(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `jpeg_incompressibility` | +(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `clip_score` | 100 * cos(image, prompt) | `clip_score` -> `ViT-L-14.pt` for the default `model_name="ViT-L-14-quickgelu"`; any open_clip checkpoint of the `model_name` you choose | OpenAI CLIP release (`https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt`, the file `clip.load("ViT-L/14")` fetches) or HF `openai/clip-vit-large-patch14` `model.safetensors`; other archs: the `open_clip_pytorch_model.bin` of their HF repo (e.g. `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` with `model_name="ViT-H-14"`) |
@@ -293,7 +293,7 @@ def load_strict(module, state_dict, path, what):
 # The rewards that need no model
 
 class ShapesReward(Reward):
-    """The verifiable reward of the shapes world: `shapes.verify_batch` on the images and the
+    """The verifiable reward of the shapes world: `verifier.verify_batch` on the images and the
     prompts' metas (metadata[i] when it is a shapes meta, else `shapes.parse_prompt(prompts[i])`).
     info["details"]: the verifier's per-image check results."""
 
@@ -301,7 +301,8 @@ class ShapesReward(Reward):
 
     def __init__(self, device="cpu"):
         import shapes  # imported here so the other rewards work without the shapes world
-        self.shapes = shapes
+        import verifier
+        self.shapes, self.verifier = shapes, verifier
 
     def score(self, images, prompts, metadata):
         metas = []
@@ -313,7 +314,7 @@ class ShapesReward(Reward):
                 metas.append(self.shapes.parse_prompt(prompt))
             except ValueError as e:
                 raise ValueError(f"shapes reward: '{prompt}' is not a shapes prompt ({e})") from None
-        scores, details = self.shapes.verify_batch(images.cpu(), metas)
+        scores, details = self.verifier.verify_batch(images.cpu(), metas)
         return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
 
 

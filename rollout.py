@@ -30,7 +30,10 @@ Where this departs from the released trainers:
    recomputes z with a canvas frame the sampler never saw; so their recomputed z is not the
    rollout's. Here the record holds exactly what the sampler fed the model, and recorded and
    recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
-3. With no chosen steps, the loop draws the same noise in the same order as `MAR.sample_tokens`,
+3. `transition_mean` recomputes the recorded transitions' means one diffusion step at a time,
+   with a 0-dim step as the sampler calls the head: the same arithmetic, so recorded and
+   recomputed log-probabilities agree to float rounding.
+4. With no chosen steps, the loop draws the same noise in the same order as `MAR.sample_tokens`,
    so a rollout and a plain sample with the same generator are the same images (tested).
 """
 
@@ -197,3 +200,22 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
 
     return tokens, Rollout(orders=orders, tokens=tokens, z_final=z_final, z_final_null=z_final_null,
                            cfg_final=cfg_final, steps=records)
+
+
+def transition_mean(head, x_t, steps, z, z_null, w):
+    """μ of recorded transitions, differentiable in z and the head (any head with the
+    `p_mean_variance` contract of DiffLoss: MAR's, Harmon's, NOVA's).
+
+    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: (K,) sampling steps;
+    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance.
+    returns μ: (K, *rows, C)
+    """
+    K, C = x_t.shape[0], x_t.shape[-1]
+    n = x_t[0, ..., 0].numel()  # rows per diffusion step
+    z_rows = z.reshape(n, -1)  # (n, D)
+    if z_null is not None:
+        z_rows = torch.cat([z_rows, z_null.reshape(n, -1)])  # (2n, D) = [cond; null]
+    # one call per diffusion step with a 0-dim step, as the sampler makes it: the same arithmetic,
+    # so recomputed and recorded log-probabilities agree to float rounding (SPEC §2)
+    mean = [head.p_mean_variance(x_t[k].reshape(n, C), steps[k], z_rows, w)[0] for k in range(K)]
+    return torch.stack(mean).reshape(x_t.shape)

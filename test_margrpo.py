@@ -13,6 +13,7 @@ import torch
 
 import diffloss
 import mar
+import models
 from diffloss import DiffLoss, transition_logprob
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
@@ -252,7 +253,7 @@ def test_mar_state_dict_matches_official_fixture(name):
     assert mar.OFFICIAL_HEADS[name] == {k: args[k] for k in ("diffloss_d", "diffloss_w")}
     # the config inferred from the shapes of an official state dict rebuilds the same model
     sd = {k: torch.empty(v, device="meta") for k, v in fixture["state_dict"].items()}
-    cfg = mar.mar_config_from_state_dict(sd)
+    cfg = models.mar_config_from_state_dict(sd)
     with torch.device("meta"):
         rebuilt = mar.build_mar(cfg)
     assert {k: list(v.shape) for k, v in rebuilt.state_dict().items()} == fixture["state_dict"]
@@ -402,27 +403,27 @@ def test_load_checkpoint_official_format_and_errors(tmp_path):
                               num_sampling_steps="10", diffloss_d=2, diffloss_w=32)
     path = tmp_path / "checkpoint-last.pth"
     torch.save({"model": model.state_dict(), "model_ema": ema, "args": args, "epoch": 3}, path)
-    loaded = mar.load_checkpoint(str(path))  # config inferred from shapes + pickled args
+    loaded = models.load_checkpoint(str(path))  # config inferred from shapes + pickled args
     assert not loaded.training
     torch.testing.assert_close(loaded.fake_latent, ema["fake_latent"])
-    loaded = mar.load_checkpoint(str(path), ema=False, model=tiny_mar())
+    loaded = models.load_checkpoint(str(path), ema=False, model=tiny_mar())
     torch.testing.assert_close(loaded.fake_latent, model.fake_latent)
 
     with pytest.raises(ValueError, match=r"does not fit.*wrong shape.*fake_latent \(1, 32\) vs \(1, 64\)"):
-        mar.load_checkpoint(str(path), model=tiny_mar(encoder_embed_dim=64, decoder_embed_dim=64))
+        models.load_checkpoint(str(path), model=tiny_mar(encoder_embed_dim=64, decoder_embed_dim=64))
     with pytest.raises(ValueError, match=r"does not fit.*missing encoder_blocks.2"):
-        mar.load_checkpoint(str(path), model=tiny_mar(encoder_depth=3))
+        models.load_checkpoint(str(path), model=tiny_mar(encoder_depth=3))
     with pytest.raises(FileNotFoundError, match="--init"):
-        mar.load_checkpoint(str(tmp_path / "nope.pth"))
+        models.load_checkpoint(str(tmp_path / "nope.pth"))
     broken = tmp_path / "broken.pth"
     broken.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"--init .*broken.pth: cannot read checkpoint") as e:
-        mar.load_checkpoint(str(broken))
+        models.load_checkpoint(str(broken))
     assert "\n" not in str(e.value)
     other = tmp_path / "other.pth"
     torch.save({"state_dict": {"w": torch.zeros(1)}}, other)
     with pytest.raises(ValueError, match="not a MAR checkpoint"):
-        mar.load_checkpoint(str(other))
+        models.load_checkpoint(str(other))
 
 
 # -----------------------------------------------------------------------------
@@ -569,7 +570,7 @@ def test_recomputed_logp_equals_recorded():
     for j, s in enumerate(record.steps):
         _, stats, _ = policy.rollout_loss(model, ref, record, j, cond, adv, cfg)
         z, z_null = policy.recompute_z(model, s, cond, guided=True)
-        mean = diffloss.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
+        mean = rollout.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
         logp = transition_logprob(s.x_prev, mean, s.std)
         assert (logp - s.logp).abs().max() < 1e-5 and stats["logp_parity_err"] < 1e-5
         assert torch.exp(logp - s.logp).sub(1).abs().max() < 1e-5
@@ -958,7 +959,7 @@ def test_gradient_step_moves_logp_toward_positive_advantages():
             total = 0.0
             for s in record.steps:
                 z, z_null = policy.recompute_z(model, s, cond, guided=True)
-                mean = diffloss.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
+                mean = rollout.transition_mean(model.diffloss, s.x_t, s.diff_steps, z, z_null, s.cfg)
                 logp = transition_logprob(s.x_prev, mean, s.std).sum(dim=(0, 2, 3))  # (B,)
                 total += (adv * logp).sum().item()
             return total
@@ -987,7 +988,7 @@ def test_context_probe_metric(smoke_base, monkeypatch):
     """bench.context_probe: a head that always samples black is wrong on exactly the coloured
     unknown tokens, so with the whole canvas unknown its colour error is the coloured fraction."""
     import bench
-    model = mar.load_checkpoint(smoke_base)
+    model = models.load_checkpoint(smoke_base)
     monkeypatch.setattr(model.diffloss, "sample", lambda z, **kw: torch.full((z.shape[0], model.token_embed_dim), -1.0))
     res = bench.context_probe(model, mar.PixelCodec(), n_images=16, known_fracs=(0.0, 0.5))
     assert 0.05 < res["coloured_frac"] < 0.6

@@ -21,6 +21,7 @@ from torchvision.transforms import InterpolationMode
 
 import clip_rewards
 import rewards
+import verifier
 
 TINY = "rewards-test-tiny"        # 32 px, patch 8, width 32, 2 layers, embed 16
 TINY_WIDE = "rewards-test-wide"   # same but width 48: a file that does not fit TINY
@@ -421,7 +422,7 @@ def test_shapes_reward_equals_verifier():
     # wrong prompts for the same images: the reward is the verifier's score, also from prompts alone
     shuffled = metas[1:] + metas[:1]
     scores_w, info_w = reward(images, [m["prompt"] for m in shuffled], None)
-    expected, _ = shapes.verify_batch(images, shuffled)
+    expected, _ = verifier.verify_batch(images, shuffled)
     assert torch.equal(scores_w, torch.from_numpy(expected)) and scores_w.min() < 1
     assert info_w["means"]["shapes"] == pytest.approx(float(expected.mean()))
     with pytest.raises(ValueError, match="not a shapes prompt"):

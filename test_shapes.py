@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import shapes
+import verifier
 
 
 def _batch(images, rng=None, sigma=0.0):
@@ -127,22 +128,22 @@ def test_render_is_deterministic_and_draws_the_prompt():
 def test_verifier_accepts_every_rendering_clean_and_noisy(size):
     rng = np.random.default_rng(size)
     images, metas = shapes.make_dataset(300, size, rng, split="all")
-    scores, details = shapes.verify_batch(_batch(images), metas)
+    scores, details = verifier.verify_batch(_batch(images), metas)
     assert scores.dtype == np.float32 and scores.shape == (300,)
     assert (scores == 1.0).all() and all(d["correct"] for d in details)
-    scores, details = shapes.verify_batch(_batch(images, rng, sigma=0.05), metas)  # mild pixel noise
+    scores, details = verifier.verify_batch(_batch(images, rng, sigma=0.05), metas)  # mild pixel noise
     assert (scores == 1.0).all(), [m["prompt"] for m, s in zip(metas, scores) if s < 1]
     json.dumps(details)
-    score, d = shapes.verify(images[0], metas[0])  # single uint8 (H, W, 3) image
+    score, d = verifier.verify(images[0], metas[0])  # single uint8 (H, W, 3) image
     assert score == 1.0 and d["correct"]
 
 
 def test_verifier_accepts_small_canvas_and_torch_input():
     images, metas = shapes.make_dataset(100, 16, np.random.default_rng(1), split="all")
     x = _batch(images)
-    scores, _ = shapes.verify_batch(torch.from_numpy(x), metas)
+    scores, _ = verifier.verify_batch(torch.from_numpy(x), metas)
     assert (scores == 1.0).all()
-    assert (scores == shapes.verify_batch(x, metas)[0]).all()
+    assert (scores == verifier.verify_batch(x, metas)[0]).all()
 
 
 def test_shape_classification_by_extent_for_all_rendered_sides():
@@ -151,7 +152,7 @@ def test_shape_classification_by_extent_for_all_rendered_sides():
         for shape in shapes.SHAPES:
             img = np.zeros((1, size, size, 3), np.float32)  # (B, H, W, 3)
             img[0, 4:4 + side, 4:4 + side][shapes._patch(shape, side)] = 1.0  # white -> nearest: yellow
-            found = shapes.detect_objects(img)[0]
+            found = verifier.detect_objects(img)[0]
             assert [d["shape"] for d in found] == [shape], (shape, side)
 
 
@@ -160,13 +161,13 @@ def test_shape_classification_by_extent_for_all_rendered_sides():
 def test_verifier_score_formula_on_hand_made_cases():
     rng = np.random.default_rng(0)
     two = shapes.render(shapes.parse_prompt("two red circles"), 32, rng)
-    score, d = shapes.verify(two, shapes.parse_prompt("a red circle"))  # count fails: o = 3/4, key = 1
+    score, d = verifier.verify(two, shapes.parse_prompt("a red circle"))  # count fails: o = 3/4, key = 1
     assert score == pytest.approx((0.75 + 1) / 2) and not d["count"] and d["present"]
     pair = shapes.render(shapes.parse_prompt("a red circle and a blue square"), 32, rng)
-    score, d = shapes.verify(pair, shapes.parse_prompt("a red circle"))  # one extra object halves it
+    score, d = verifier.verify(pair, shapes.parse_prompt("a red circle"))  # one extra object halves it
     assert score == pytest.approx(0.5) and d["extra_objects"] == 1 and not d["correct"]
     swapped = shapes.parse_prompt("a red square and a blue circle")  # binding swapped: 2 extras
-    score, d = shapes.verify(pair, swapped)
+    score, d = verifier.verify(pair, swapped)
     assert d["color"] and d["shape"] and not d["present"]
     assert score == pytest.approx((0.5 + 0) / 2 / 3)
 
@@ -177,29 +178,29 @@ def test_verifier_rejects_swapped_relations_wrong_colours_and_counts():
     for meta in shapes.sample_prompts(40, rng, "all", categories=("spatial",)):
         image = shapes.render(meta, 32, rng)
         wrong = shapes.parse_prompt(meta["prompt"].replace(meta["relation"], mirror[meta["relation"]]))
-        score, d = shapes.verify(image, wrong)
+        score, d = verifier.verify(image, wrong)
         assert d["relation"] is False and score <= 0.5
     for meta in shapes.sample_prompts(40, rng, "all", categories=("single", "two_objects")):
         image = shapes.render(meta, 32, rng)
         used = {o["color"] for o in meta["objects"]}
         new = next(c for c in shapes.COLORS if c not in used)
         wrong = shapes.parse_prompt(meta["prompt"].replace(meta["objects"][0]["color"], new, 1))
-        score, d = shapes.verify(image, wrong)
+        score, d = verifier.verify(image, wrong)
         assert not d["color"] and score <= 0.25
     for meta in shapes.sample_prompts(40, rng, "all", categories=("counting",)):
         image = shapes.render(meta, 32, rng)
         n = meta["objects"][0]["count"]
         wrong = dict(meta, objects=[dict(meta["objects"][0], count=n % 4 + 1)])
-        score, d = shapes.verify(image, wrong)
+        score, d = verifier.verify(image, wrong)
         assert not d["count"] and d["objects"][0]["found"] == n and score <= 0.375
 
 
 def test_verifier_gives_blank_and_noise_images_low_scores():
     rng = np.random.default_rng(2)
     metas = shapes.sample_prompts(64, rng, "all")
-    scores, details = shapes.verify_batch(np.zeros((64, 3, 32, 32), np.float32), metas)
+    scores, details = verifier.verify_batch(np.zeros((64, 3, 32, 32), np.float32), metas)
     assert (scores == 0).all() and not any(d["correct"] for d in details)
-    scores, details = shapes.verify_batch(rng.random((64, 3, 32, 32), dtype=np.float32), metas)
+    scores, details = verifier.verify_batch(rng.random((64, 3, 32, 32), dtype=np.float32), metas)
     assert scores.max() < 0.1 and not any(d["correct"] for d in details)
     with pytest.raises(ValueError):
-        shapes.verify_batch(np.zeros((2, 32, 32, 3), np.float32), metas[:2])
+        verifier.verify_batch(np.zeros((2, 32, 32, 3), np.float32), metas[:2])
