@@ -1,21 +1,46 @@
-"""Evaluation: generate images for prompts with fixed seeds, score them, write them; and the
-pictures of a run (sample grids, reward and gradient-norm curves).
+"""Evaluation: generate images for prompts with fixed seeds, score them, write them; the paper's
+metric table; and the pictures of a run (sample grids, reward and gradient-norm curves).
 
 `evaluate` is what `python train.py` runs on the base and the tuned model (the same prompts and
 seeds for both) and what `python train.py --eval-only` runs on a checkpoint. Generation goes
 through rollout.record_rollout with nothing recorded, so it is the same loop, and the same noise,
 for MAR, Harmon and NOVA. Under torchrun every rank generates a slice; rank 0 writes.
+
+The paper's table (`python evaluate.py --help`):
+
+    python evaluate.py --ckpt base=PATH --ckpt tuned=PATH --prompts FILE --images-per-prompt 4 \\
+        --seed 0 --reward hpsv2,imagereward,pickscore --reward-ckpt hpsv2=... --out DIR [train.py flags]
+
+generates N images per prompt for every checkpoint with the same seeds, scores each image with
+each named reward on its own, and writes DIR/NAME/images/*.png, DIR/NAME/scores.jsonl (one line
+per image: prompt, prompt and image index, file, one raw score per reward) and DIR/table.md and
+DIR/table.json (rows: checkpoints; columns: rewards as the papers print them, "mean ± SEM").
+Every flag it does not define itself (--model, --preset, --prompts, --seed, --reward,
+--reward-ckpt, the sampling flags, ...) is train.py's, with train.py's defaults and checks.
+
+Where the table departs from what the papers state:
+1. Seeds are per batch: batch b of the fixed (prompt, image) list is drawn from a generator seeded
+   by (--seed, b) on the run's device, so an image depends on the seed, --batch-size and the device
+   type, never on the checkpoint or the number of processes (batch b runs on rank b mod world).
+2. The SEM is over images (n = prompts × images per prompt), std(ddof=1) / sqrt(n); images of one
+   prompt are not independent, so it understates the spread over prompt sets.
+3. Under torchrun each rank writes its own PNGs (DIR must be one shared folder, as in DiT's
+   sample_ddp.py); the scores are gathered and rank 0 writes the rest.
 """
 
 import json
 import math
 import os
+import re
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import models
+import rewards
 import rollout
 import shapes
 
@@ -144,3 +169,215 @@ def plot_curves(metrics_path, out_path):
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# The paper's table: `python evaluate.py --ckpt NAME=PATH ... --reward hpsv2,imagereward,pickscore`
+
+# reward name -> its columns: (key in scores.jsonl, label as the papers print it, scale, decimals);
+# HPS is a cosine that papers print ×100 (0.2676 -> 26.76); CLIP score and PickScore are already ×100
+COLUMNS = {
+    "hpsv2": [("hpsv2", "HPS v2 (×100)", 100.0, 2)],
+    "imagereward": [("imagereward", "ImageReward", 1.0, 3)],
+    "pickscore": [("pickscore", "PickScore", 1.0, 2)],
+    "clip_score": [("clip_score", "CLIP score", 1.0, 2)],
+    "aesthetic": [("aesthetic", "Aesthetic", 1.0, 2)],
+    "shapes": [("shapes_accuracy", "Shapes accuracy", 1.0, 3), ("shapes", "Shapes reward", 1.0, 3)],
+}  # any other reward: one column of its name, as is (e.g. jpeg_incompressibility, kB)
+SEED_STAGE = 10  # the table's generators: seeded(device, seed, SEED_STAGE, batch); train.py uses 1..8
+
+
+def table_parser():
+    import train  # train.py imports this module: import it when used
+    p = train.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
+                     "for every checkpoint with the same seeds, each scored by each --reward on its own.",
+                     epilog="Every other flag is train.py's (python train.py --help): --model, --preset, --prompts, "
+                            "--seed, --reward (names, comma-separated), --reward-ckpt, the sampling flags.")
+    a = p.add_argument
+    a("--ckpt", action="append", default=[], metavar="NAME=PATH", help="a checkpoint and its row name (repeatable; "
+      "NOVA: the first is the pipeline folder whose vae/ decodes, unless --vae)")
+    a("--images-per-prompt", type=train.POS_INT, default=1, help="images generated per prompt and checkpoint")
+    a("--batch-size", type=train.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
+    a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, table.json")
+    return p
+
+
+def parse_table_args(argv=None):
+    """This file's flags, then train.py's for the rest; checks the inputs (`check_table_inputs`)."""
+    import train
+    own, rest = table_parser().parse_known_args(argv)
+    args = train.parse_args(rest)
+    args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
+    args.ckpts = parse_ckpts(own.ckpt)
+    args.init = args.ckpts[0][1]  # where models.load_codec looks for NOVA's vae/ folder
+    check_table_inputs(args)
+    return args
+
+
+def parse_ckpts(values):
+    """['base=a.pt', 'tuned=b.pt'] -> [('base', 'a.pt'), ('tuned', 'b.pt')]; one-line errors."""
+    if not values:
+        raise ValueError("--ckpt: give at least one checkpoint as NAME=PATH")
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"--ckpt {value!r}: write NAME=PATH, NAME of letters, digits, '.', '_', '-' (a folder name)")
+        if name in [n for n, _ in out]:
+            raise ValueError(f"--ckpt {name}: the name is given twice")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--ckpt {name}={path}: no such file or folder")
+        out.append((name, path))
+    return out
+
+
+def reward_names(spec):
+    """The --reward names; a weight is refused (the table scores every reward on its own)."""
+    if ":" in (spec or ""):
+        raise ValueError(f"--reward {spec}: the table scores each reward on its own; list names without weights")
+    return [name for name, _ in rewards.parse_reward_spec(spec)]  # an unknown name fails here
+
+
+def check_table_inputs(args):
+    """Files and cross-flag rules, before anything is loaded or written: one-line errors naming the flag."""
+    import checkpoints, prompts
+    for name in ("prompts", "vae", "tokenizer", "prompt_embeds"):
+        path = getattr(args, name)
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
+    if args.model not in ("small", "nova") and args.vae is None:
+        raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
+    if args.model in ("harmon", "nova") and args.prompts is None:
+        raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
+    if args.prompts is not None and args.model in ("small", "harmon", "nova"):
+        prompts.read_prompt_file(args.prompts, "shapes" if args.model == "small" else "text")  # a typo fails now
+    names = reward_names(args.reward)
+    if "shapes" in names and args.model != "small":
+        raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} does not draw them")
+    rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+    checkpoints.check_writable(args.out, "--out")
+
+
+@torch.no_grad()
+def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_dir, score):
+    """args.images_per_prompt images for each of `items`, each scored by every reward of
+    `reward_fns` ({name: Reward}) through `score` (train.score). Batch b of the (prompt, image)
+    list runs on rank b mod world with the generator seeded by (args.seed, SEED_STAGE, b). Every
+    rank writes its images to out_dir/images/; rank 0 writes out_dir/scores.jsonl. Returns the
+    rows of scores.jsonl, sorted (every rank gets all of them)."""
+    import train
+    from PIL import Image
+    jobs = [(i, j) for i in range(len(items)) for j in range(args.images_per_prompt)]
+    batches = [jobs[b0:b0 + args.batch_size] for b0 in range(0, len(jobs), args.batch_size)]
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    rows = []
+    for b in tqdm(range(ctx.rank, len(batches), ctx.world), disable=not ctx.master, desc=os.path.basename(out_dir)):
+        its = [items[i] for i, _ in batches[b]]
+        texts, metas = prompts.texts(its), prompts.metas(its)
+        with ctx.autocast():
+            images = generate(model, codec, prompts.condition(its, ctx.device), args,
+                              train.seeded(ctx.device, args.seed, SEED_STAGE, b))  # (B, 3, H, W) in [0, 1]
+        columns = {}
+        for name, reward_fn in reward_fns.items():
+            scores, info = score(reward_fn, name, images, texts, metas)  # (B,)
+            columns[name] = scores.tolist()
+            if name == "shapes":  # accuracy: every check of the verifier passes
+                columns["shapes_accuracy"] = [float(d["correct"]) for d in info["details"]]
+        for k, (i, j) in enumerate(batches[b]):
+            file = f"images/{i:05d}_{j:03d}.png"
+            pixels = (images[k].float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0)  # (H, W, 3) uint8
+            Image.fromarray(pixels.cpu().numpy()).save(os.path.join(out_dir, file))
+            rows.append(dict(prompt=texts[k], prompt_index=i, image_index=j, file=file,
+                             **{key: values[k] for key, values in columns.items()}))
+    if ctx.ddp:
+        gathered = [None] * ctx.world
+        dist.all_gather_object(gathered, rows)
+        rows = [r for part in gathered for r in part]
+    rows.sort(key=lambda r: (r["prompt_index"], r["image_index"]))
+    if ctx.master:
+        with open(os.path.join(out_dir, "scores.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    ctx.barrier()
+    return rows
+
+
+def mean_sem(values):
+    """{"mean", "sem", "n"}: the mean and its standard error std(ddof=1) / sqrt(n) (None for n = 1)."""
+    x = np.asarray(values, dtype=np.float64)  # (n,)
+    sem = float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
+    return {"mean": float(x.mean()), "sem": sem, "n": len(x)}
+
+
+def table_columns(names):
+    """The table's columns for reward names, in order: dicts of key, reward, label, scale, decimals."""
+    return [dict(key=key, reward=name, label=label, scale=scale, decimals=decimals)
+            for name in names for key, label, scale, decimals in COLUMNS.get(name, [(name, name, 1.0, 2)])]
+
+
+def table_row(name, path, rows, columns):
+    """One checkpoint's row: each column's mean ± SEM over images, in the column's printed scale."""
+    return {"name": name, "ckpt": path, "n": len(rows),
+            "cells": {c["key"]: mean_sem([c["scale"] * r[c["key"]] for r in rows]) for c in columns}}
+
+
+def table_markdown(table):
+    """The table as markdown: a caption line, then rows = checkpoints, cells "mean ± SEM"."""
+    cols = table["columns"]
+    fmt = lambda cell, d: f"{cell['mean']:.{d}f}" + ("" if cell["sem"] is None else f" ± {cell['sem']:.{d}f}")
+    lines = [f"{table['num_prompts']} prompts × {table['images_per_prompt']} images per checkpoint, seed "
+             f"{table['seed']}; mean ± standard error of the mean over images", "",
+             "| checkpoint | " + " | ".join(c["label"] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += ["| " + " | ".join([row["name"]] + [fmt(row["cells"][c["key"]], c["decimals"]) for c in cols]) + " |"
+              for row in table["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    """`python evaluate.py ...`: check the inputs, build the rewards, then for each checkpoint in
+    turn load, generate, score and write; rank 0 writes and prints the table. Returns the table
+    dict (also DIR/table.json); an empty dict on ranks > 0."""
+    import train
+    args = parse_table_args(argv)
+    ctx = train.Ctx(args)
+    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+    names = reward_names(args.reward)
+    reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}
+    columns = table_columns(names)
+    table, codec = None, None
+    for name, path in args.ckpts:
+        # --- load one checkpoint at a time (a wrong-shaped later one fails after the earlier rows)
+        try:
+            model = models.load_policy(args, path).to(ctx.device).requires_grad_(False)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"--ckpt {name}={path}: " + str(e).replace(f"--init {path}: ", "").replace("--init: ", "")) from None
+        if codec is None:
+            codec = models.load_codec(args, model, ctx.device)
+        prompts = models.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
+        items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
+        if table is None:
+            table = dict(columns=columns, rows=[], num_prompts=len(items), images_per_prompt=args.images_per_prompt,
+                         seed=args.seed, batch_size=args.batch_size, model=args.model, prompts=args.prompts,
+                         args={k: v for k, v in vars(args).items() if k != "ckpts"})
+        # --- generate and score; the row's mean ± SEM per column
+        rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns,
+                                  os.path.join(args.out, name), train.score)
+        table["rows"].append(table_row(name, path, rows, columns))
+        del model  # before the next one is loaded
+    if not ctx.master:
+        return {}
+    with open(os.path.join(args.out, "table.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table_markdown(table))
+    print("\n" + table_markdown(table) + f"\nfiles: {args.out}/ (table.md, table.json, NAME/images/, NAME/scores.jsonl)")
+    return table
+
+
+def cli(argv=None):
+    """main() with failures said in one line on stderr, exactly as train.py's (train.cli)."""
+    import train
+    return train.cli(argv, entry=main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

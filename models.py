@@ -137,18 +137,18 @@ def harmon_config(args):
     raise ValueError(f"--model-config {args.model_config!r}: a name in {sorted(harmon.CONFIGS)} or a JSON config file")
 
 
-def load_codec(args, model):
-    """Latent images <-> pixels: raw pixels (small), the KL-16 VAE (--vae: MAR, Harmon), or the
-    NOVA pipeline's own VAE (the vae/ folder beside --init)."""
+def load_codec(args, model, device="cpu"):
+    """Latent images <-> pixels on `device`: raw pixels (small), the KL-16 VAE (--vae: MAR,
+    Harmon), or the NOVA pipeline's own VAE (the vae/ folder beside --init)."""
     if args.model == "small":
         return mar.PixelCodec()
     if args.model == "nova":
         import vae
         folder = os.path.join(os.path.dirname(os.path.abspath(args.init.rstrip("/"))), "vae") \
             if not os.path.isdir(os.path.join(args.init, "vae")) else os.path.join(args.init, "vae")
-        return vae.DiffusersCodec(args.vae or folder)
+        return vae.DiffusersCodec(args.vae or folder, device=device)
     import vae
-    return vae.VAECodec(vae.load_vae(args.vae))
+    return vae.VAECodec(vae.load_vae(args.vae).to(device))
 
 
 def load_prompts(args, model):

@@ -348,7 +348,7 @@ def load_base(args, ctx, init):
     """The base policy from `init` (on ctx.device, frozen), its codec and the prompts; a missing,
     corrupt or mismatched checkpoint, VAE or prompt file fails here, before anything is written."""
     base = models.load_policy(args, init).to(ctx.device).requires_grad_(False)
-    return base, models.load_codec(args, base), models.load_prompts(args, base)
+    return base, models.load_codec(args, base, ctx.device), models.load_prompts(args, base)
 
 
 def score(reward_fn, spec, images, texts, metas):
@@ -610,14 +610,14 @@ def main(argv=None):
     return None
 
 
-def cli(argv=None):
-    """`python train.py ...`: main(), with failures said in one line on stderr (`error: ...`, or
-    `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no traceback, exit
-    status 2. A deliberate stop (Stop): exit status 1. Anything else is a bug and keeps Python's
-    traceback. Returns the exit status."""
+def cli(argv=None, entry=None):
+    """`python train.py ...`: main() (or `entry`, e.g. evaluate.main), with failures said in one line
+    on stderr (`error: ...`, or `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and
+    files: no traceback, exit status 2. A deliberate stop (Stop): exit status 1. Anything else is a
+    bug and keeps Python's traceback. Returns the exit status."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
     try:
-        main(argv)
+        (entry or main)(argv)
         return 0
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error{where}: {e}", file=sys.stderr)

@@ -254,11 +254,11 @@ class DiffusersCodec:
     folder of a NOVA pipeline), with its own latent scale and shift, as NOVA's pipeline applies
     them: latent = (posterior mean − shift) · scale; decode(latent / scale + shift). Local only."""
 
-    def __init__(self, folder, flag="--vae"):
+    def __init__(self, folder, flag="--vae", device="cpu"):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"{flag}: no such VAE folder: {folder}")
         try:
-            self.vae = AutoencoderKL.from_pretrained(folder, local_files_only=True).eval().requires_grad_(False)
+            self.vae = AutoencoderKL.from_pretrained(folder, local_files_only=True).eval().requires_grad_(False).to(device)
         except (OSError, ValueError, EnvironmentError) as e:
             raise ValueError(f"{flag} {folder}: not a diffusers AutoencoderKL folder ({str(e).splitlines()[0][:200]})") from None
         self.scale = self.vae.config.scaling_factor
