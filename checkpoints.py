@@ -185,3 +185,29 @@ def check_writable(path, name):
         os.remove(probe)
         return
     raise PermissionError(f"{name} {path}: cannot create files in {p}")
+
+
+def sha256(path):
+    """Hex SHA-256 of a file's bytes."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def export_half(src, dst):
+    """Write a base checkpoint of train.py (`base.pt`) with its weights in float16: the form in which
+    a pretrained demo base is committed (half the bytes; loading casts back to float32)."""
+    ckpt = read_checkpoint(src, "export")
+    ckpt["model"] = {k: v.half() if v.is_floating_point() else v for k, v in ckpt["model"].items()}
+    atomic_save({k: ckpt[k] for k in ("model", "config", "args", "stage") if k in ckpt}, dst)
+    return sha256(dst)
+
+
+if __name__ == "__main__":  # python checkpoints.py half runs/demo_base/base.pt demo_base.pt
+    import sys
+    if len(sys.argv) != 4 or sys.argv[1] != "half":
+        sys.exit("usage: python checkpoints.py half SRC.pt DST.pt")
+    print(f"{sys.argv[3]} sha256 {export_half(sys.argv[2], sys.argv[3])}")

@@ -102,25 +102,34 @@ def policy_surrogate(logp, logp_old, adv, clip_eps=None):
     return surrogate, ratio.detach()
 
 
+def kl_gaussian(mean, mean_ref, std):
+    """(μ_θ − μ_ref)² / (2 s²): the exact KL of N(μ_θ, s²) from N(μ_ref, s²), per element."""
+    return (mean - mean_ref) ** 2 / (2 * std ** 2)
+
+
+def kl_k3(logp, logp_ref):
+    """e^{ℓ_ref − ℓ_θ} − (ℓ_ref − ℓ_θ) − 1 at the recorded x^{t−1}: the GRPO estimator, per element."""
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1
+
+
+def kl_mean_k3(mean, mean_ref):
+    """e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ: the released code's term (not a KL of the Gaussians)."""
+    d = mean_ref - mean
+    return torch.exp(d) - d - 1
+
+
 KL_KINDS = ("gaussian", "k3", "mean-k3")
 
 
 def kl_term(kind, mean, mean_ref, std, logp=None, logp_ref=None):
-    """Per-element KL penalty between the policy's and the reference's transitions (SPEC §6).
-
-    gaussian: (μ_θ − μ_ref)² / (2 s²), the exact KL of N(μ_θ, s²) from N(μ_ref, s²);
-    k3:       e^{ℓ_ref − ℓ_θ} − (ℓ_ref − ℓ_θ) − 1 at the recorded x^{t−1};
-    mean-k3:  e^{Δμ} − Δμ − 1, Δμ = μ_ref − μ_θ (the released code's term).
-    mean, mean_ref, std (and logp, logp_ref for k3): same shape; returns that shape.
-    """
+    """The per-element KL penalty of SPEC §6 named by --kl; all inputs of one shape, returns it."""
     if kind == "gaussian":
-        return (mean - mean_ref) ** 2 / (2 * std ** 2)
+        return kl_gaussian(mean, mean_ref, std)
     if kind == "k3":
-        d = logp_ref - logp
-        return torch.exp(d) - d - 1
+        return kl_k3(logp, logp_ref)
     if kind == "mean-k3":
-        d = mean_ref - mean
-        return torch.exp(d) - d - 1
+        return kl_mean_k3(mean, mean_ref)
     raise ValueError(f"--kl {kind!r}: choose from {', '.join(KL_KINDS)}")
 
 

@@ -22,7 +22,6 @@ are written atomically (checkpoints.py); a torchrun relaunch after a failure res
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -50,6 +49,7 @@ import policy
 import rewards
 import rollout
 import shapes
+from processes import Ctx, Stop, all_finite, seeded  # noqa: F401  (train.seeded: evaluate.py, tests)
 from prompts import read_prompt_file
 
 # -----------------------------------------------------------------------------
@@ -265,80 +265,6 @@ def will_pretrain(args):
     if args.eval_only or args.init is not None:
         return False
     return args.stage == "pretrain" or (args.stage == "all" and not os.path.exists(os.path.join(args.out, "base.pt")))
-
-
-# -----------------------------------------------------------------------------
-# Processes, devices, randomness
-
-def seeded(device, *parts):
-    """A torch.Generator on `device`, seeded by a tuple of ints (seed, stage, step, rank). The one
-    way this script makes seeded randomness: the generator lives where the draws happen (a CUDA
-    draw needs a CUDA generator), so CPU and GPU runs are each reproducible but not equal."""
-    gen = torch.Generator(device=device)
-    return gen.manual_seed(int(np.random.SeedSequence(list(parts)).generate_state(1)[0]))
-
-
-class Ctx:
-    """Process-wide facts: rank, world size, device, whether this is the master process."""
-
-    def __init__(self, args):
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
-        self.ddp = int(os.environ.get("RANK", -1)) != -1
-        want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        if self.ddp:
-            dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.world = 0, 1
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if want_cuda else "cpu")
-        if want_cuda:
-            torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        self.master = self.rank == 0
-        self.seed = args.seed
-        # bf16 autocast on CUDA for forward passes only (backward runs outside it, as PyTorch advises);
-        # the diffusion head always runs in fp32 (diffloss.py)
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if want_cuda else contextlib.nullcontext
-
-    def generator(self, *parts):
-        """This rank's generator for (stage, step, ...) on the run's device."""
-        return seeded(self.device, self.seed, *parts, self.rank)
-
-    def print0(self, *a, **k):
-        if self.master:
-            print(*a, **k, flush=True)
-
-    def mean(self, values):
-        """All-reduce a dict of floats or 0-dim tensors to their mean over ranks (every rank calls it)."""
-        keys = sorted(values)
-        t = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device).reshape(()) for k in keys])
-        if self.ddp:
-            dist.all_reduce(t)
-            t /= self.world
-        return dict(zip(keys, t.tolist()))  # .tolist() syncs with the GPU: once per step
-
-    def barrier(self):
-        if self.ddp:
-            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
-
-
-def all_finite(ctx, *values):
-    """True on every rank iff every value (tensors, floats, lists of them) is finite on every rank.
-    Every rank must call it: one all-reduce, one sync with the GPU."""
-    flat = [v for value in values for v in (value if isinstance(value, (list, tuple)) else [value])]
-    ok = torch.stack([torch.isfinite(torch.as_tensor(v, dtype=torch.float32, device=ctx.device)).all() for v in flat])
-    ok = ok.all().float()
-    if ctx.ddp:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok)  # syncs with the GPU
-
-
-class Stop(RuntimeError):
-    """The run stops on purpose (repeated non-finite steps, a failing reward): `cli` prints the
-    reason as one line, after the traceback of the code that caused it, and exits with status 1."""
 
 
 # -----------------------------------------------------------------------------
