@@ -56,10 +56,10 @@ from prompts import read_prompt_file
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
 
 PRESETS = {
-    # python train.py: a small MAR with a local prior (mar.py item 5) on the shapes world, then
-    # MAR-GRPO with MTE only on the tokens written at the trained step and without the last noisy
-    # diffusion step (both measured on this world: README, "Findings")
-    "demo": dict(local_conv=3, mask_ratio_min=0.2, mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
+    # python train.py: a small MAR with a local prior (mar.py item 5: without it the base does not read
+    # its canvas) on the shapes world, then MAR-GRPO with MTE only on the tokens written at the trained
+    # step and without the last noisy diffusion step (both measured: docs/research_log.md)
+    "demo": dict(local_conv=3, mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
