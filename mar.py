@@ -17,18 +17,15 @@ What this file adds or changes, in order of importance:
 2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
    first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
    condition of classifier-free guidance. The class path is unchanged.
-3. All randomness goes through a `torch.Generator`; the device comes from the model's tensors;
-   generation orders are drawn with one argsort, and the schedule is computed in Python ints
-   (the official code uses global numpy state and `.cuda()`).
-4. With the same orders and noise, `sample_tokens` computes what the official code computes in
+3. All randomness goes through a `torch.Generator`, the device comes from the model's tensors, and
+   the schedule is computed in Python ints (the official code uses global numpy state, `.cuda()`).
+   With the same orders and noise, `sample_tokens` computes what the official code computes in
    eval mode (tested against an independent transcription of the official loop).
-5. `local_conv=k` (small models only; 0, the official architecture, by default): a zero-initialised
-   k×k convolution over the decoder's token grid, added to the decoder's input after its position
-   embedding (mask tokens and encoded known tokens in place). Measured on the shapes world: the
-   small MAR trained for minutes on a CPU does not learn which tokens are neighbours from learned
-   position embeddings, so its z ignores the canvas around a position; this prior gives it that
-   locality at once (README, "The demo's base"). Official models never set it, and their
-   checkpoints load and compute exactly as before.
+4. `local_conv=k` (small models only; 0, official, by default): a zero-initialised k×k convolution
+   over the decoder's token grid, added to its input after the position embedding. The small MAR
+   trained for minutes on a CPU does not learn which tokens are neighbours from learned position
+   embeddings (its z ignores the canvas around a position); this prior gives it that locality
+   (docs/research_log.md). Official models never set it; their checkpoints load as before.
 
 The pixel codec lives at the end of the file; the KL-16 VAE is vae.py, and loading official
 `.pth` files (and ours) is models.load_checkpoint.
@@ -125,7 +122,7 @@ class MAR(nn.Module):
         self.decoder_norm = norm_layer(decoder_embed_dim)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, decoder_embed_dim))
         self.local_conv = local_conv
-        if local_conv:  # not in the official MAR: see the module docstring, item 5
+        if local_conv:  # not in the official MAR: see the module docstring, item 4
             self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv, padding=local_conv // 2)
 
         self.initialize_weights()
@@ -227,30 +224,24 @@ class MAR(nn.Module):
         (B, S, D) condition. Returns (B, buffer + #known, D): the encoded known tokens."""
         x = self.z_proj(x)
         bsz, seq_len, embed_dim = x.shape
-
         # buffer slots in front of the tokens, never masked
         x = torch.cat([torch.zeros(bsz, self.buffer_size, embed_dim, device=x.device, dtype=x.dtype), x], dim=1)
         mask_with_buffer = torch.cat([torch.zeros(bsz, self.buffer_size, device=x.device), mask], dim=1)
-
         # drop the condition for classifier-free guidance training
         if self.training:
             drop = torch.rand(bsz, generator=generator, device=x.device) < self.label_drop_prob
             drop = drop.to(x.dtype).reshape(bsz, *([1] * (class_embedding.dim() - 1)))
             class_embedding = drop * self.fake_latent + (1 - drop) * class_embedding
-
         if class_embedding.dim() == 2:  # a class: the same embedding in every slot
             x[:, :self.buffer_size] = class_embedding.unsqueeze(1)
         else:  # a prompt: one word per slot, the free slots hold the null embedding
             s = class_embedding.shape[1]
             x[:, :s] = class_embedding
             x[:, s:self.buffer_size] = self.fake_latent.to(x.dtype)
-
         x = x + self.encoder_pos_embed_learned
         x = self.z_proj_ln(x)
-
         # keep the buffer and the known tokens (every row has the same number of them)
         x = x[(1 - mask_with_buffer).nonzero(as_tuple=True)].reshape(bsz, -1, embed_dim)  # (B, buffer+#known, D)
-
         for block in self.encoder_blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
         return self.encoder_norm(x)
@@ -260,18 +251,15 @@ class MAR(nn.Module):
         Returns z: (B, L, D_dec), the diffusion head's condition for every position."""
         x = self.decoder_embed(x)
         mask_with_buffer = torch.cat([torch.zeros(x.size(0), self.buffer_size, device=x.device), mask], dim=1)
-
         # put the known tokens back in place, mask tokens elsewhere
         x_after_pad = self.mask_token.repeat(mask_with_buffer.shape[0], mask_with_buffer.shape[1], 1).to(x.dtype)
         x_after_pad[(1 - mask_with_buffer).nonzero(as_tuple=True)] = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
         x = x_after_pad + self.decoder_pos_embed_learned  # (B, buffer+L, D)
         if self.local_conv:  # a local prior on the token grid (small models only)
             x = torch.cat([x[:, :self.buffer_size], x[:, self.buffer_size:] + self.grid_conv(x[:, self.buffer_size:])], dim=1)
-
         for block in self.decoder_blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
         x = self.decoder_norm(x)
-
         x = x[:, self.buffer_size:]  # (B, L, D)
         return x + self.diffusion_pos_embed_learned
 

@@ -17,7 +17,7 @@ What the paper says, what the released code does, and what this file does:
    S × B × L rows with a passed generator (`sample_trajectories`).
 2. Released: the seed trajectories were drawn under z_final but their log-probabilities are
    evaluated under z_i of the trained AR step. Here: the same, as the default (it is what was
-   published; SPEC §4); policy.py does the evaluation.
+   published; SPEC §4): `seed_logprobs`; `--mte-positions predicted` restricts it to P_i (policy.py).
 3. Released: every seed's log-probability uses the rollout trajectory's s. Here: each seed uses
    its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's scale
    per element can differ, and only where σ depends on x^t.

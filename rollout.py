@@ -132,9 +132,7 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
     guided = cfg != 1.0
     if guided:
         cond = cat_rows(cond, model.null_condition_like(cond))  # (2B, ...) = [cond; null]
-    head = model.diffloss
-    param = next(model.parameters())
-    device = param.device
+    head, device = model.diffloss, next(model.parameters()).device
     L, C = model.seq_len, model.token_embed_dim
     orders = model.sample_orders(len(next(iter(inputs.values()))), generator) if orders is None else orders.to(device)
     B = orders.shape[0]

@@ -56,7 +56,7 @@ from prompts import read_prompt_file
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
 
 PRESETS = {
-    # python train.py: a small MAR with a local prior (mar.py item 5: without it the base does not read
+    # python train.py: a small MAR with a local prior (mar.py item 4: without it the base does not read
     # its canvas) on the shapes world, then MAR-GRPO with MTE only on the tokens written at the trained
     # step and without the last noisy diffusion step (both measured: docs/research_log.md)
     "demo": dict(local_conv=3, mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
@@ -146,7 +146,7 @@ def build_parser():
     a("--heads", type=POS_INT, default=4, help="attention heads (small model)")
     a("--head-depth", type=POS_INT, default=3, help="diffusion-head residual blocks (small model)")
     a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
-    a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 5)")
+    a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 4)")
     a("--cell", type=NONNEG_INT, default=0, help="pretraining images: objects aligned to cells of this many pixels (0 = free)")
     a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
     a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for MAR and Harmon; NOVA: its vae/ folder (default: beside --init)")
