@@ -204,3 +204,19 @@ def test_verifier_gives_blank_and_noise_images_low_scores():
     assert scores.max() < 0.1 and not any(d["correct"] for d in details)
     with pytest.raises(ValueError):
         verifier.verify_batch(np.zeros((2, 32, 32, 3), np.float32), metas[:2])
+
+
+def test_cell_layout_aligns_objects_to_the_grid_and_verifies():
+    """render(..., cell=8): every object fills the top-left 7×7 pixels of its own 8-px cell (so
+    neighbours never touch), and the unchanged verifier accepts every rendering."""
+    rng = np.random.default_rng(3)
+    images, metas = shapes.make_dataset(200, 32, rng, split="all", cell=8)
+    scores, _ = verifier.verify_batch(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, metas)
+    assert (scores == 1).all()
+    coloured = images.max(-1) > 0  # (n, H, W)
+    assert not coloured[:, 7::8, :].any() and not coloured[:, :, 7::8].any()  # the last row/column of each cell
+    cells = coloured.reshape(200, 4, 8, 4, 8).any(axis=(2, 4))  # (n, 4, 4) cells holding an object
+    counts = [sum(o["count"] for o in m["objects"]) for m in metas]
+    assert cells.reshape(200, 16).sum(1).tolist() == counts  # one object per cell, each in its own
+    with pytest.raises(ValueError, match="do not fit"):
+        shapes.render(shapes.parse_prompt("four red squares"), size=16, rng=rng, cell=16)
