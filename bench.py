@@ -1,517 +1,399 @@
-"""Performance figures, as ratios measured in one run (absolute times on shared machines are noise).
+"""Performance figures, as ratios measured in one run (absolute times on a shared machine are noise).
 
-    python bench.py                       # every section at the demo config (CPU: a few minutes)
-    python bench.py --sections step,record
-    python bench.py --mar-base            # add the mar_base (256 px) figures (CPU: minutes)
-    python bench.py --official-dir DIR    # side by side with a local checkout of LTH14/mar
-    python bench.py --study [--study-seeds 3]   # the controlled study (runs train.py many times)
-    python bench.py --context-probe runs/demo/base.pt   # does a base model use the canvas?
+    python bench.py                          # step, reward, flops, scaling at the demo config
+    python bench.py --sections step,reward --preset smoke --repeats 1
+    python bench.py --mar-base               # mar_base: step and recording ratios (CPU: ~30 min)
+    python bench.py --compile [--mar-base]   # torch.compile against eager (bench_official.compile_figures)
 
-Sections:
-  sample   sample_tokens tokens/s and images/s
-  record   rollout recording overhead (with / without a RolloutPlan) and record bytes per image
-  step     MAR-GRPO step time / fixed-head GRPO step time (S = 3, k = 30%), and the parts of a step
-  reward   the shapes verifier's images/s at 32 and 64 px (its share of a step: see step)
-  flops    achieved FLOP/s of the update's transformer forward+backward / FLOP/s of a large matmul
-  scaling  step time and record+MTE memory as S, G and the number of tokens grow
-Everything is timed as the median of repeats after a warm-up, in one process.
+Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
+with / without a plan, each step's parts, plain rollout images/s, record bytes), reward (the
+shapes verifier's images/s), flops (the update's transformer FLOP/s / a large matmul's), scaling
+(step time and record + MTE memory as S, G and tokens grow), mar_base (the official mar_base with
+random weights, measured at fewer AR and diffusion steps than train.py's mar_base preset and
+extrapolated to it by a cost model fitted to the same run), compile (compiled / eager).
+
+A step is timed stage by stage with train.py's calls (rollout.record_rollout, mte.sample_trajectories,
+masks, policy.backward_rollout with policy.PolicyLoss): a plain rollout, the recorded rollout, decoding
++ reward, MTE trajectories, and each method's update of that rollout; step(method) = plain rollout +
+recording + reward + [MTE] + update(method). Figures are medians of repeats after a warm-up, with the
+stages interleaved so that load from other work hits them alike.
 """
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import json
-import os
-import re
-import shlex
+import math
 import statistics
-import subprocess
-import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-import diffloss
+import bench_official
 import grpo
 import mar
 import masks
+import models
 import mte
 import policy
 import rewards
+import rollout
+import processes
 import shapes
 import train
+import verifier
+from prompts import Prompts
+
+METHODS = ("grpo-fixed-head", "mar-grpo")
 
 
-def timed(fn, repeats=3, warmup=1):
-    """Median wall time of fn() over `repeats` calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def clock(device):
+    """time.perf_counter() once the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
-def nbytes(obj):
-    """Bytes held by the tensors of a (nested) record."""
+def interleaved(fns, device, repeats, warmup=1):
+    """Median seconds of each fn of {name: fn} over `repeats` rounds after `warmup` rounds, every fn
+    called once per round. Returns ({name: median}, {name: seconds of its first call})."""
+    times = {k: [] for k in fns}
+    for _ in range(warmup + repeats):
+        for k, fn in fns.items():
+            t = clock(device)
+            fn()
+            times[k].append(clock(device) - t)
+    return {k: statistics.median(v[warmup:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
+
+
+def nbytes(obj, seen=None):
+    """Bytes held by the tensors of a (nested) record, each storage once (steps share canvases)."""
+    seen = set() if seen is None else seen
     if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(v) for v in obj)
-    return 0
-
-
-def demo_model(args):
-    """The demo's MAR (random weights: speed does not depend on their values)."""
-    torch.manual_seed(0)
-    return mar.build_mar(train.small_mar_config(args)).eval()
-
-
-def demo_batch(args, model, n_prompts, G, seed=0):
-    items = shapes.sample_prompts(n_prompts, np.random.default_rng(seed))
-    items = [it for it in items for _ in range(G)]
-    return items, dict(prompt_ids=torch.from_numpy(shapes.tokenize([m["prompt"] for m in items])))
-
-
-def plan_for(args, num_ar=None, num_diff=None, seed=0):
-    ar, diff = grpo.choose_train_steps(args.num_iter, num_ar or args.train_ar_steps,
-                                       diffloss.trainable_steps(args.num_sampling_steps),
-                                       num_diff or args.train_diff_steps, torch.Generator().manual_seed(seed))
-    return mar.RolloutPlan(ar_steps=ar, diff_steps=diff)
+        storage = obj.untyped_storage()
+        new = storage.data_ptr() not in seen
+        seen.add(storage.data_ptr())
+        return storage.nbytes() if new else 0
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    obj = list(obj.values()) if isinstance(obj, dict) else obj
+    return sum(nbytes(v, seen) for v in obj) if isinstance(obj, (list, tuple)) else 0
 
 
 # -----------------------------------------------------------------------------
+# A setting: the policy and its frozen reference as train.py makes them, a batch, the flags
 
-def bench_sample(args, out):
-    model = demo_model(args)
-    B = args.prompts_per_step * args.group_size
-    _, cond = demo_batch(args, model, args.prompts_per_step, args.group_size)
-    t = timed(lambda: model.sample_tokens(B, num_iter=args.num_iter, cfg=args.cfg, generator=torch.Generator().manual_seed(0), **cond))
-    res = {"demo": dict(images=B, seconds=t, images_per_s=B / t, tokens_per_s=B * model.seq_len / t)}
-    out(f"sample_tokens, demo config ({B} images, {model.seq_len} tokens, {args.num_iter} AR × "
-        f"{args.num_sampling_steps} diffusion steps, cfg {args.cfg}): {B / t:.1f} images/s, {B * model.seq_len / t:.0f} tokens/s")
-    if args.mar_base:
-        big = mar.mar_base(**mar.OFFICIAL_HEADS["mar_base"], num_sampling_steps="100").eval()
-        t = timed(lambda: big.sample_tokens(1, num_iter=16, cfg=3.0, labels=torch.tensor([207]),
-                                            generator=torch.Generator().manual_seed(0)), repeats=1, warmup=0)
-        res["mar_base"] = dict(images=1, seconds=t, images_per_s=1 / t, tokens_per_s=256 / t)
-        out(f"sample_tokens, mar_base 256 px (1 image, 16 AR × 100 diffusion steps, cfg 3): "
-            f"{1 / t:.3f} images/s, {256 / t:.1f} tokens/s")
-    if args.official_dir:
-        import bench_official
-        res["official"] = bench_official.compare_with_official(args.official_dir, out=out)
-    return res
+def setting(args, model, items, prompts, device, codec=None, reward=None, seeds=None):
+    """items: G per prompt, adjacent; seeds: S instead of the method's. Returns a namespace."""
+    with torch.no_grad():  # the official init zeroes the head's output and modulation: give them weight
+        for p in [p for k, p in model.diffloss.named_parameters() if "adaLN_modulation" in k or "final_layer.linear" in k]:
+            p.normal_(0, 0.02)
+    ref = model.to(device).eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    models.set_trainable(args, model, train_head=False)  # both methods compared keep the head fixed
+    cfgs = {m: train.grpo_config(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
+    cfgs["mar-grpo"].mte_seeds = seeds or cfgs["mar-grpo"].mte_seeds
+    return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, cfgs=cfgs,
+                           B=len(items), G=args.group_size, inputs=prompts.condition(items, device), codec=codec, reward=reward)
 
 
-def bench_record(args, out):
-    model = demo_model(args)
-    B = args.prompts_per_step * args.group_size
-    _, cond = demo_batch(args, model, args.prompts_per_step, args.group_size)
-    plan = plan_for(args)
-    kw = dict(num_iter=args.num_iter, cfg=args.cfg, **cond)
-    t_plain = timed(lambda: model.sample_tokens(B, generator=torch.Generator().manual_seed(0), **kw))
-    t_rec = timed(lambda: model.sample_tokens(B, generator=torch.Generator().manual_seed(0), plan=plan, **kw))
-    _, record = model.sample_tokens(B, generator=torch.Generator().manual_seed(0), plan=plan, **kw)
-    per_image = nbytes(record) / B
-    res = dict(overhead=t_rec / t_plain, record_bytes_per_image=per_image)
-    out(f"recording overhead (sample_tokens with / without a plan of {len(plan.ar_steps)} AR × "
-        f"{len(plan.diff_steps)} diffusion steps): {t_rec / t_plain:.2f}×; record {per_image / 1024:.1f} KiB per image")
-    if args.mar_base:
-        big = mar.mar_base(**mar.OFFICIAL_HEADS["mar_base"], num_sampling_steps="100").eval()
-        big_plan = mar.RolloutPlan(*grpo.choose_train_steps(64, 12, diffloss.trainable_steps(100), 10,
-                                                            torch.Generator().manual_seed(0)))
-        # the record's size follows from the schedule alone; one 64-step rollout on CPU takes minutes,
-        # so the per-step sizes are computed from shapes, as the record would hold them
-        L, C, D, K = big.seq_len, big.token_embed_dim, 768, 10
-        unknown, sizes = L, []
-        for i in range(64):
-            nxt = mar.unknown_after_step(i, 64, L, unknown)
-            if i in big_plan.ar_steps:
-                sizes.append(4 * K * unknown * C * 4 + 3 * L * C * 4 + 3 * L + unknown * 8)  # traj + canvases + masks
-            unknown = nxt
-        per = sum(sizes) + 2 * L * D * 4 + L * C * 4 + L * 4  # + z_final (cond, null), final tokens, cfg_final
-        res["mar_base_record_bytes_per_image"] = per
-        out(f"record bytes per image, mar_base 256 px (64 AR steps, 12 AR × 10 diffusion steps recorded, CFG): "
-            f"{per / 2 ** 20:.2f} MiB (from the record's shapes)")
-    return res
+def demo_setting(args, device, G=None, seeds=None, img_size=None):
+    """The preset's small MAR on shapes prompts, with the shapes reward."""
+    args = argparse.Namespace(**{**vars(args), "group_size": G or args.group_size, "img_size": img_size or args.img_size})
+    torch.manual_seed(0)
+    items = shapes.sample_prompts(args.prompts_per_step, np.random.default_rng(0))
+    return setting(args, mar.build_mar(models.small_mar_config(args)), [it for it in items for _ in range(args.group_size)],
+                   Prompts("shapes"), device, mar.PixelCodec(), rewards.build_reward("shapes"), seeds)
 
 
-class StepRunner:
-    """One GRPO step of train.py's loop, stage by stage, for timing."""
+def mar_base_setting(opts, device):
+    """The official mar_base (constructor + OFFICIAL_HEADS) with train.py's mar_base preset (one class
+    prompt × G = 4, CFG 3, τ = 1, K = 10) at --base-steps' AR steps, diffusion steps and trained AR steps."""
+    N, T, M = opts.base_steps.split(",")
+    args = train.parse_args(["--preset", "mar_base", "--prompts-per-step", "1", "--num-iter", N, "--num-sampling-steps", T,
+                             "--train-ar-steps", M])
+    torch.manual_seed(0)
+    model = mar.mar_base(**mar.OFFICIAL_HEADS["mar_base"], num_sampling_steps=str(args.num_sampling_steps))
+    return setting(args, model, [207] * args.group_size, Prompts("class", num_classes=1000), device)
 
-    def __init__(self, args, method, G=None, n_prompts=None, seeds=None, img_size=None):
-        self.args = copy.copy(args)
-        if img_size:
-            self.args.img_size = img_size
-        self.model = demo_model(self.args)
-        self.ref = copy.deepcopy(self.model).requires_grad_(False)
-        self.cfg = grpo.GRPOConfig(**grpo.PRESETS[method])
-        if seeds is not None:
-            self.cfg.mte_seeds = seeds
-        self.model.diffloss.requires_grad_(self.cfg.train_head)
-        self.model.class_emb.requires_grad_(False)
-        self.G = G or args.group_size
-        self.items, self.cond = demo_batch(self.args, self.model, n_prompts or args.prompts_per_step, self.G)
-        self.reward = rewards.build_reward("shapes")
-        self.codec = mar.PixelCodec()
-        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-6)
-        self.loss = train.PolicyLoss(self.model)
-        self.times = {}
 
-    def __call__(self):
-        a, B = self.args, len(self.items)
-        t0 = time.perf_counter()
-        latents, record = self.model.sample_tokens(B, num_iter=a.num_iter, cfg=a.cfg, generator=torch.Generator().manual_seed(0),
-                                                   plan=plan_for(a), **self.cond)
-        images = self.codec.decode(latents)
-        t1 = time.perf_counter()
-        scores, _ = self.reward(images, [m["prompt"] for m in self.items], self.items)
-        adv = grpo.group_advantages(scores + 1e-3 * torch.arange(B), self.G)  # never an all-zero batch
-        t2 = time.perf_counter()
-        seeds = uncertain = None
-        if self.cfg.mte_seeds >= 2:
-            seeds = mte.sample_trajectories(self.model.diffloss, record["z_final"], record.get("z_final_null"),
-                                            record["cfg_final"], 1.0, self.cfg.mte_seeds, record["steps"][0]["diff_steps"],
-                                            torch.Generator().manual_seed(1))
-            uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), self.cfg.top_k)
-        t3 = time.perf_counter()
-        train.backward_rollout(self.loss, False, self.ref, record, self.cond, adv, self.cfg, seeds, uncertain,
-                               [None] * len(record["steps"]))
+def run_rollout(st, seed=0, record=True):
+    """train.py's rollout: (tokens, Rollout, RolloutPlan) with the plan train.py would draw (diffusion-step
+    candidates: trainable and >= --min-diff-step), or with nothing recorded (plan None)."""
+    a, plan = st.args, None
+    if record:
+        candidates = [k for k in st.model.diffloss.trainable_steps() if k >= a.min_diff_step]
+        ar, diff = grpo.choose_train_steps(len(st.model.ar_schedule(a.num_iter, st.model.seq_len)), a.train_ar_steps,
+                                           candidates, a.train_diff_steps, processes.seeded(st.device, seed, 3))
+        plan = rollout.RolloutPlan(ar_steps=ar, diff_steps=diff.to(st.device))
+    return (*rollout.record_rollout(st.model, st.inputs, a.num_iter, a.cfg, a.cfg_schedule, a.temperature, plan,
+                                    processes.seeded(st.device, seed, 4)), plan)
+
+
+# -----------------------------------------------------------------------------
+# One GRPO step, stage by stage
+
+class StepBench:
+    """train.py's GRPO step, stage by stage (module docstring). After run(): times[stage] lists seconds
+    per timed repeat; upd_steps[method] (n = |U_i|, seconds) per trained AR step's forward + backward."""
+
+    def __init__(self, st, methods=METHODS):
+        self.st, self.methods, self.times, self.upd_steps = st, methods, {}, {m: [] for m in methods}
+        self.loss = policy.PolicyLoss(st.model)
+        # lr 0: the optimizer step costs what it costs, and the weights stay the rollouts' (compile_figures' parity)
+        self.opt = torch.optim.AdamW([p for p in st.model.parameters() if p.requires_grad], lr=0.0)
+
+    def update(self, method, adv, timing):
+        """One inner epoch of train.py's update; the loss module's forward calls mark the trained steps."""
+        st, cfg, marks = self.st, self.st.cfgs[method], []
+        forward = self.loss.forward
+        self.loss.forward = lambda *a, **k: (marks.append(clock(st.device)), forward(*a, **k))[1]
+        mte_on = cfg.mte_seeds >= 2
+        try:
+            policy.backward_rollout(self.loss, False, st.ref, self.record, st.inputs, adv, cfg, self.seeds if mte_on else None,
+                                    self.uncertain if mte_on else None, [None] * len(self.record.steps), contextlib.nullcontext)
+        finally:
+            del self.loss.forward
+        marks.append(clock(st.device))
+        if timing:
+            self.upd_steps[method] += [(s.unk_idx.shape[1], t1 - t0) for s, t0, t1 in zip(self.record.steps, marks, marks[1:])]
+        torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], st.args.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        for k, v in dict(rollout=t1 - t0, reward=t2 - t1, mte=t3 - t2, update=t4 - t3, total=t4 - t0).items():
-            self.times.setdefault(k, []).append(v)
-        self.bytes = nbytes(record) + nbytes(seeds)
 
-    def median(self, key):
-        return statistics.median(self.times[key][1:] or self.times[key])  # drop the warm-up
+    def run(self, repeats, warmup=1):
+        st, a, cfg = self.st, self.st.args, self.st.cfgs["mar-grpo"]
+        for r in range(warmup + repeats):
+            marks = [clock(st.device)]
+
+            def done(stage):  # the stage that has just ended
+                marks.append(clock(st.device))
+                if r >= warmup:
+                    self.times.setdefault(stage, []).append(marks[-1] - marks[-2])
+            outs = {}
+            for stage in ("rollout", "recorded")[::1 if r % 2 == 0 else -1]:  # their order alternates: drift cancels
+                outs[stage] = run_rollout(st, r, record=stage == "recorded")
+                done(stage)
+            tokens, self.record, plan = outs["recorded"]
+            scores = torch.randn(st.B, generator=processes.seeded(st.device, r, 9), device=st.device) if st.reward is None \
+                else st.reward(st.codec.decode(st.model.unpatchify(tokens).float()), st.prompts.texts(st.items),
+                               st.prompts.metas(st.items))[0].to(st.device)  # mar_base: no reward (needs weights)
+            adv = grpo.group_advantages(scores + 1e-3 * torch.arange(st.B, device=st.device), st.G)  # never all 0
+            done("reward")
+            self.seeds = mte.sample_trajectories(st.model.diffloss, self.record.z_final, self.record.z_final_null,
+                                                 self.record.cfg_final, a.temperature, cfg.mte_seeds, plan.diff_steps,
+                                                 processes.seeded(st.device, r, 5))
+            self.uncertain = masks.top_k_mask(masks.token_uncertainty(self.seeds["x0"]), cfg.top_k)
+            done("mte")
+            for m in self.methods:
+                self.update(m, adv, timing=r >= warmup)
+                done("update " + m)
+        return self
+
+    def median(self, stage):
+        """Median seconds of a stage; "recording" is the recorded rollout less the plain one, paired per repeat."""
+        if stage == "recording":
+            return statistics.median([b - a for a, b in zip(self.times["rollout"], self.times["recorded"])])
+        return statistics.median(self.times[stage])
+
+    def parts(self, method):
+        """{stage: median seconds} of one method's step."""
+        keys = ["rollout", "recording", "reward"] + (["mte"] if self.st.cfgs[method].mte_seeds >= 2 else [])
+        return {k: self.median(k) for k in keys} | {"update": self.median("update " + method)}
 
 
-def bench_step(args, out):
-    runs = {m: StepRunner(args, m) for m in ("grpo-fixed-head", "mar-grpo")}
-    for _ in range(args.repeats + 1):  # interleaved, so that machine noise hits both alike
-        for r in runs.values():
-            r()
-    fixed, full = runs["grpo-fixed-head"], runs["mar-grpo"]
-    ratio = full.median("total") / fixed.median("total")
-    parts = {k: full.median(k) / full.median("total") for k in ("rollout", "reward", "mte", "update")}
-    out(f"MAR-GRPO step / fixed-head GRPO step (S = 3, k = 30%, demo config, {len(fixed.items)} images): {ratio:.2f}×")
-    out("  share of a MAR-GRPO step: " + ", ".join(f"{k} {v:.0%}" for k, v in parts.items()))
-    return dict(ratio=ratio, shares=parts, fixed_s=fixed.median("total"), mar_grpo_s=full.median("total"))
+def step_figures(bench, out, label):
+    """Print and return the two ratios, each method's breakdown, the plain rollout's rate and the record's size."""
+    st, cfg, fixed, full = bench.st, bench.st.cfgs["mar-grpo"], bench.parts("grpo-fixed-head"), bench.parts("mar-grpo")
+    ratio, rec = sum(full.values()) / sum(fixed.values()), 1 + bench.median("recording") / bench.median("rollout")
+    a, L, plan, per_image = st.args, st.model.seq_len, bench.record.steps, nbytes(bench.record) / st.B
+    out(f"{label}: {st.B} images, {L} tokens, {a.num_iter} AR × {a.num_sampling_steps} diffusion steps, cfg {a.cfg}, "
+        f"{len(plan)} AR × {len(plan[0].diff_steps)} diffusion steps trained")
+    out(f"MAR-GRPO step / fixed-head GRPO step (S = {cfg.mte_seeds}, k = {cfg.top_k:.0%}): {ratio:.2f}×")
+    out(f"recording / plain rollout (record_rollout with / without a plan): {rec:.2f}×")
+    for name, p in (("fixed-head GRPO", fixed), ("MAR-GRPO", full)):
+        out(f"  {name + ' step':<21}{sum(p.values()):8.2f} s = " + ", ".join(f"{k} {v / sum(p.values()):.0%}" for k, v in p.items()))
+    out(f"plain rollout {st.B / bench.median('rollout'):.2f} images/s, {st.B * L / bench.median('rollout'):.0f} tokens/s; "
+        f"record {per_image / 2 ** 20:.2f} MiB per image")
+    return dict(ratio=ratio, recording_overhead=rec, shares={k: v / sum(full.values()) for k, v in full.items()},
+                fixed_parts=fixed, mar_grpo_parts=full, images_per_s=st.B / bench.median("rollout"),
+                record_bytes_per_image=per_image)
 
 
-def bench_reward(args, out):
+# -----------------------------------------------------------------------------
+# Sections at the preset's size
+
+def bench_step(args, opts, out):
+    return step_figures(StepBench(demo_setting(args, opts.device)).run(opts.repeats), out, f"{opts.preset} config")
+
+
+def bench_reward(args, opts, out):
     res = {}
     for size in (32, 64):
-        rng = np.random.default_rng(0)
-        imgs, metas = shapes.make_dataset(512, size, rng)
+        imgs, metas = shapes.make_dataset(512, size, np.random.default_rng(0))
         x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255
-        t = timed(lambda: shapes.verify_batch(x, metas))
+        t = interleaved({"v": lambda: verifier.verify_batch(x, metas)}, torch.device("cpu"), opts.repeats)[0]["v"]
         res[f"verifier_images_per_s_{size}px"] = 512 / t
         out(f"shapes verifier at {size} px: {512 / t:.0f} images/s")
     return res  # the reward's share of a step is part of the step section's breakdown
 
 
-def bench_flops(args, out):
+def bench_flops(args, opts, out):
     from torch.utils.flop_counter import FlopCounterMode
-    model = demo_model(args)
-    B = args.prompts_per_step * args.group_size
-    _, cond = demo_batch(args, model, args.prompts_per_step, args.group_size)
-    _, record = model.sample_tokens(B, num_iter=args.num_iter, cfg=args.cfg, generator=torch.Generator().manual_seed(0),
-                                    plan=plan_for(args), **cond)
-    step = record["steps"][len(record["steps"]) // 2]
+    st = demo_setting(args, opts.device)
+    _, record, _ = run_rollout(st)
+    step = record.steps[len(record.steps) // 2]
 
     def fwd_bwd():  # the update's transformer pass at one AR step, with CFG: (2B, L) canvas
-        z, z_null = policy.recompute_z(model, step, cond, guided=True)
+        z, z_null = policy.recompute_z(st.model, step, st.inputs, guided=True)
         (z.square().mean() + z_null.square().mean()).backward()
-        model.zero_grad(set_to_none=True)
+        st.model.zero_grad(set_to_none=True)
 
     with FlopCounterMode(display=False) as fc:
         fwd_bwd()
-    flops = fc.get_total_flops()
-    t = timed(fwd_bwd, repeats=5)
     n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t_mm = timed(lambda: a @ b, repeats=5)
-    util = (flops / t) / (2 * n ** 3 / t_mm)
-    out(f"transformer forward+backward of the update: {flops / t / 1e9:.1f} GFLOP/s = {util:.1%} of a "
-        f"{n}² matmul's {2 * n ** 3 / t_mm / 1e9:.1f} GFLOP/s")
-    return dict(gflops=flops / t / 1e9, matmul_gflops=2 * n ** 3 / t_mm / 1e9, utilisation=util)
+    a, b = torch.randn(n, n, device=st.device), torch.randn(n, n, device=st.device)
+    t, _ = interleaved({"update": fwd_bwd, "matmul": lambda: a @ b}, st.device, max(3, opts.repeats))
+    gflops, mm = fc.get_total_flops() / t["update"] / 1e9, 2 * n ** 3 / t["matmul"] / 1e9
+    out(f"transformer forward+backward of the update: {gflops:.1f} GFLOP/s = {gflops / mm:.1%} of a {n}² matmul's {mm:.1f} GFLOP/s")
+    return dict(gflops=gflops, matmul_gflops=mm, utilisation=gflops / mm)
 
 
-def bench_scaling(args, out):
-    rows = []
-    base = None
+def bench_scaling(args, opts, out):
+    rows, base = [], None
     for name, kw in [("baseline", {}), ("S = 5", dict(seeds=5)), ("S = 8", dict(seeds=8)),
-                     ("G × 2", dict(G=2 * args.group_size)), ("tokens × 4 (64 px)", dict(img_size=2 * args.img_size))]:
-        r = StepRunner(args, "mar-grpo", **kw)
-        for _ in range(2):
-            r()
-        t = r.median("total")
+                     ("G × 2", dict(G=2 * args.group_size)), ("tokens × 4", dict(img_size=2 * args.img_size))]:
+        bench = StepBench(demo_setting(args, opts.device, **kw), methods=("mar-grpo",)).run(1)
+        t, mib = sum(bench.parts("mar-grpo").values()), (nbytes(bench.record) + nbytes(bench.seeds)) / 2 ** 20
         base = base or t
-        rows.append(dict(name=name, seconds=t, relative=t / base, mib=r.bytes / 2 ** 20))
-        out(f"  {name:<20} step {t / base:5.2f}×   record + MTE trajectories {r.bytes / 2 ** 20:7.1f} MiB")
+        rows.append(dict(name=name, seconds=t, relative=t / base, mib=mib))
+        out(f"  {name:<12} step {t / base:5.2f}×   record + MTE trajectories {mib:7.1f} MiB")
     return rows
 
 
 # -----------------------------------------------------------------------------
-# The controlled study (issue 6): same base, prompts, steps and samples for every arm
+# mar_base: measured at fewer steps, extrapolated by a cost model fitted to the same run's calls
 
-STUDY_MAIN = {  # arm -> train.py flags; --study-seeds seeds each
-    "grpo": ["--method", "grpo"],
-    "grpo-fixed-head": ["--method", "grpo-fixed-head"],
-    "mar-grpo": ["--method", "mar-grpo", "--mte-positions", "unknown"],
-    "mar-grpo, MTE on P_i": ["--method", "mar-grpo", "--mte-positions", "predicted"],
-}
-STUDY_ABLATIONS = {  # one seed each; S = 1 is the fixed head with the masks alone
-    "MTE alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "unknown"],
-    "MTE on P_i alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "predicted"],
-    "masks alone (S=1, tau 0)": ["--method", "grpo-fixed-head", "--tau", "0"],
-    "mar-grpo S=5": ["--method", "mar-grpo", "--mte-seeds", "5", "--mte-positions", "unknown"],
-    "mar-grpo k=10%": ["--method", "mar-grpo", "--top-k", "0.1", "--mte-positions", "unknown"],
-    "mar-grpo k=60%": ["--method", "mar-grpo", "--top-k", "0.6", "--mte-positions", "unknown"],
-    "mar-grpo tau off": ["--method", "mar-grpo", "--tau", "off", "--mte-positions", "unknown"],
-}
-
-
-# the study trains on four fixed training-split prompts, one per category, so that 25 GRPO steps
-# on 2 CPU cores separate the arms; held-out evaluation uses the usual stratified held-out set
-STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
-                 "a blue square left of a green circle"]
-
-
-def _coloured(tokens):
-    """(..., C) pixel tokens in [-1, 1] -> (...) 1.0 where some pixel is not black (black is -1)."""
-    return (tokens > -0.5).any(-1).float()
+def unit_costs(bench, repeats=3):
+    """The calls a step is made of, timed apart (interleaved, median of `repeats`): model.predict_z on
+    the (2B, L) CFG canvas with 0 and with L known tokens (a pass costs linearly in between), and one
+    guided diffusion step of the head (p_mean_variance) at token-row counts from B to S·B·L; and from
+    the timed step, per method, seconds per trained AR step as a + b·n (n = |U_i|; clipping and the
+    optimizer step, ~1% at mar_base, left out)."""
+    st, g = bench.st, 2 if bench.st.args.cfg != 1 else 1
+    L, C, D = st.model.seq_len, st.model.token_embed_dim, st.model.diffloss.net.cond_embed.in_features
+    gen, S = processes.seeded(st.device, 6), st.cfgs["mar-grpo"].mte_seeds
+    cond = st.model.condition(**st.inputs)
+    cond = rollout.cat_rows(cond, st.model.null_condition_like(cond)) if g == 2 else cond
+    canvas, unknown = torch.zeros(g * st.B, L, C, device=st.device), torch.ones(g * st.B, L, device=st.device)
+    fns = {"z0": lambda: st.model.predict_z(canvas, unknown, cond), "zL": lambda: st.model.predict_z(canvas, 0 * unknown, cond)}
+    rows = np.unique(np.geomspace(st.B, S * st.B * L, 6).round().astype(int))
+    for r in rows:
+        x, z = torch.randn(r, C, generator=gen, device=st.device), torch.randn(g * r, D, generator=gen, device=st.device)
+        fns[int(r)] = lambda x=x, z=z: st.model.diffloss.p_mean_variance(x, st.model.diffloss.num_sampling_steps // 2, z, st.args.cfg)
+    with torch.no_grad():
+        t, _ = interleaved(fns, st.device, repeats)
+    upd = {}
+    for m, steps in bench.upd_steps.items():
+        n, s = np.array(steps, dtype=float).T
+        upd[m] = tuple(np.polyfit(n, s, 1)[::-1]) if len(set(n)) > 1 else (s.mean(), 0.0)
+    return SimpleNamespace(z0=t["z0"], zL=t["zL"], rows=rows, head=np.array([t[int(r)] for r in rows]), upd=upd)
 
 
-@torch.no_grad()
-def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), temperature=0.5, seed=0):
-    """Does a pixel-token base model use the canvas? Rendered training-split images with a random
-    fraction of their tokens known: the diffusion loss on the unknown tokens (split into tokens
-    with some colour and all-black ones), and how often a token sampled there (no CFG) is coloured
-    where the image is black or the reverse. A model that reads its neighbours gets better as more
-    of the canvas is known; one that has learnt only the prompt's marginal does not.
+def predict(u, st, N, T, m):
+    """Both methods' stage seconds at N AR steps, T diffusion steps, m trained AR steps (K and the rest
+    as measured): the plain rollout runs N transformer passes and the head on P_i; recording runs the
+    head on U_i instead at the AR steps that are trained or precede a trained one (expected, m of N
+    drawn uniformly); MTE runs the head on S·B·L rows; the update as fitted, at the mean |U_i|."""
+    L, B, S = st.model.seq_len, st.B, st.cfgs["mar-grpo"].mte_seeds
 
-    Returns {known_frac: {"loss_coloured", "loss_black", "colour_error"}}, "coloured_frac" and "n_images"."""
-    model.eval()
-    g = torch.Generator().manual_seed(seed)
-    imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng(seed), split="train")
-    tokens = model.patchify(codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255))  # (B, L, C)
-    B, L, C = tokens.shape
-    flat = tokens.reshape(B * L, C)
-    coloured = _coloured(tokens)  # (B, L)
-    cond = model.condition(**train.Prompts(model).condition(metas, tokens.device))
-    order = torch.argsort(torch.rand(B, L, generator=g), dim=1)  # the same known positions for every fraction
+    def head(rows):  # seconds of T diffusion steps on `rows` token rows
+        return T * np.interp(rows, u.rows, u.head)
+    counts = np.array(st.model.ar_schedule(N, L))
+    n_exec, m = len(counts), min(m, len(counts))
+    unknown = L - np.concatenate([[0], np.cumsum(counts)[:-1]])  # |U_i| at the start of step i
+    idle = [math.comb(n_exec - 2 if i < n_exec - 1 else n_exec - 1, m) for i in range(n_exec)]  # neither i nor i+1 drawn
+    p_full = 1 - np.array(idle, dtype=float) / math.comb(n_exec, m)
+    shared = dict(rollout=np.sum(u.z0 + (u.zL - u.z0) * (L - unknown) / L + head(B * counts)),
+                  recording=np.sum(p_full * (head(B * unknown) - head(B * counts))))
+    upd = {k: m * (a + b * unknown.mean()) for k, (a, b) in u.upd.items()}
+    fixed = dict(shared, update=upd["grpo-fixed-head"])
+    full = dict(shared, mte=head(S * B * L), update=upd["mar-grpo"])
+    return dict(fixed=fixed, full=full, ratio=sum(full.values()) / sum(fixed.values()),
+                recording_overhead=1 + shared["recording"] / shared["rollout"])
 
-    def loss(z, sel):  # the training loss on the selected positions (B, L), averaged over 10 noise draws
-        return float(np.mean([model.diffloss(z=z, target=flat, mask=sel.reshape(B * L), generator=g).item()
-                              for _ in range(10)]))
 
-    res = {"coloured_frac": coloured.mean().item(), "n_images": n_images}
-    for frac in known_fracs:
-        unknown = torch.ones(B, L).scatter_(1, order[:, :int(L * frac)], 0.0)  # (B, L), 1 = unknown
-        z = model.predict_z(tokens, unknown, cond).reshape(B * L, -1)  # (B·L, D)
-        sampled = model.diffloss.sample(z, temperature=temperature, generator=g).reshape(B, L, C)
-        wrong = (_coloured(sampled) != coloured).float()  # (B, L)
-        res[frac] = dict(loss_coloured=loss(z, unknown * coloured), loss_black=loss(z, unknown * (1 - coloured)),
-                         colour_error=((wrong * unknown).sum() / unknown.sum()).item())
+def bench_mar_base(args, opts, out):
+    st, P = mar_base_setting(opts, opts.device), train.PRESETS["mar_base"]
+    a, full_size = st.args, (P["num_iter"], P["num_sampling_steps"], P["train_ar_steps"])
+    out("mar_base 256 px (official constructor + OFFICIAL_HEADS, random weights), MEASURED AT FEWER STEPS than train.py's "
+        "preset ({} AR × {}, {} AR trained: hours per step on 2 CPU cores); no decoding or reward (need weights)".format(*full_size))
+    with torch.no_grad():  # warm-up: a 1-image, 1-step rollout (the kernels' first-call costs)
+        rollout.record_rollout(st.model, {k: v[:1] for k, v in st.inputs.items()}, 1, a.cfg, generator=processes.seeded(st.device, 1))
+    bench = StepBench(st).run(opts.base_repeats, warmup=0)
+    res = step_figures(bench, out, "measured")
+    u = unit_costs(bench)
+    out(f"cost model: transformer pass on the (2B, L) canvas {u.z0:.1f} s with no token known, {u.zL:.1f} s with all; head, "
+        "one diffusion step: " + ", ".join(f"{t:.2f} s on {r}" for r, t in zip(u.rows, u.head)) + " token rows; update per "
+        "trained AR step: " + "; ".join(f"{k} {x:.1f} s + {y * 1e3:.0f} ms per unknown token" for k, (x, y) in u.upd.items()))
+    here, full = predict(u, st, a.num_iter, a.num_sampling_steps, a.train_ar_steps), predict(u, st, *full_size)
+    out(f"  {'':<26}{'model, measured config':>23}{'measured':>10}{'model, the preset':>20}")
+    for key, label in (("recording_overhead", "recording / plain rollout"), ("ratio", "MAR-GRPO / fixed-head")):
+        out(f"  {label:<26}{here[key]:>22.2f}×{res[key]:>9.2f}×{full[key]:>19.2f}×")
+    for name, key in (("fixed-head", "fixed"), ("MAR-GRPO", "full")):
+        total = sum(full[key].values())
+        out(f"  model, the preset, {name} step: {total / 60:.0f} min here = " +
+            ", ".join(f"{k} {v / total:.0%}" for k, v in full[key].items()))
+    res.update(model_measured=here, model_preset=full, units=vars(u))
+    if opts.compile:
+        res["compile"] = bench_official.compile_figures(bench, out, opts.base_repeats, update_steps=1)
     return res
 
 
-def run_context_probe(path, args, out):
-    model = train.load_policy(args, path)
-    if model.config["vae_stride"] != 1 or not train.Prompts(model).text_conditioned:
-        raise SystemExit(f"--context-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
-    res = context_probe(model, mar.PixelCodec(), temperature=args.temperature)
-    out(f"context probe of {path}: {res['n_images']} training-split images, {res['coloured_frac']:.1%} of tokens coloured")
-    out("  known fraction | diffusion loss, coloured / black unknown tokens | colour error of sampled unknown tokens")
-    for frac, r in res.items():
-        if isinstance(frac, float):
-            out(f"  {frac:14.1f} | {r['loss_coloured']:.4f} / {r['loss_black']:.4f} | {r['colour_error']:.3f}")
-    return res
+def bench_compile(args, opts, out):
+    bench = StepBench(demo_setting(args, opts.device), methods=()).run(0)  # one rollout and its MTE trajectories
+    return bench_official.compile_figures(bench, out, max(opts.repeats, 2))
 
 
-def _slug(arm):
-    """A folder name for an arm: 'mar-grpo, MTE on P_i' -> 'mar-grpo_MTE_on_P_i'."""
-    return re.sub(r"[^A-Za-z0-9.=-]+", "_", arm).strip("_")
-
-
-def _study_runs(opts):
-    runs = [(arm, seed, flags) for arm, flags in STUDY_MAIN.items() for seed in range(opts.study_seeds)]
-    if opts.study_arms == "main":
-        return runs
-    return runs + [(arm, 0, flags) for arm, flags in STUDY_ABLATIONS.items()]
-
-
-def study(opts, extra):
-    """Run every arm (GRPO from one base, then two evaluations: the stratified held-out prompts, and
-    the study's four training prompts × 24 images with fixed seeds), two processes at a time with
-    one thread each, skipping what is already finished; then write the table, JSON and plot.
-    `extra` flags go to every train.py call; --study-train-flags only to the GRPO runs."""
-    root = opts.study_out
-    extra = ["--preset", opts.preset] + extra
-    os.makedirs(root, exist_ok=True)
-    prompt_file = os.path.join(root, "prompts.txt")
-    with open(prompt_file, "w") as f:
-        f.write("\n".join(STUDY_PROMPTS) + "\n")
-    train_extra = ["--prompts", prompt_file, "--steps", str(opts.study_steps)] + opts.study_train_flags.split()
-    base = os.path.join(root, "base.pt")
-    py = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
-    if not os.path.exists(base):
-        subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
-
-    def evals(ckpt, out):  # held-out prompts (stratified), then the study's training prompts, 24 images each
-        cmds = []
-        if not os.path.exists(os.path.join(out, "eval", "summary.json")):
-            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval"), "--threads", "1"] + extra)
-        if not os.path.exists(os.path.join(out, "eval_train", "summary.json")):
-            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval_train"), "--threads", "1",
-                              "--prompts", prompt_file, "--eval-images-per-prompt", "24"] + extra)
-        return cmds
-
-    def shell(cmds):
-        return " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)
-
-    jobs = []
-    base_cmds = evals(base, os.path.join(root, "base"))
-    if base_cmds:
-        jobs.append(("base", 0, shell(base_cmds)))
-    for arm, seed, flags in _study_runs(opts):
-        out = os.path.join(root, _slug(arm), f"seed{seed}")
-        cmds = []
-        if not os.path.exists(os.path.join(out, "eval", "summary.json")):  # evaluation follows a finished run
-            cmds.append(py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"]
-                        + flags + extra + train_extra)
-        cmds += evals(os.path.join(out, "ckpt", "latest.pt"), out)
-        if cmds:
-            jobs.append((arm, seed, shell(cmds)))
-    running = []
-    while jobs or running:
-        while jobs and len(running) < 2:
-            arm, seed, cmd = jobs.pop(0)
-            print(f"study: {arm} seed {seed}", flush=True)
-            log = open(os.path.join(root, f"log_{_slug(arm)}_{seed}.txt"), "w")
-            running.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, OMP_NUM_THREADS="1")))
-        time.sleep(2)
-        for p in [p for p in running if p.poll() is not None]:
-            if p.returncode:
-                print(f"study: a run failed ({p.args[:120]}...)", flush=True)
-            running.remove(p)
-    return study_report(opts)
-
-
-def study_report(opts):
-    """Aggregate metrics.jsonl and eval summaries into study.json, study.md and study.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    root, table, curves = opts.study_out, {}, {}
-    for arm, seed, _ in _study_runs(opts):
-        out = os.path.join(root, _slug(arm), f"seed{seed}")
-        try:
-            rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            ev = json.load(open(os.path.join(out, "eval", "summary.json")))
-            ev_train = json.load(open(os.path.join(out, "eval_train", "summary.json")))
-        except (OSError, ValueError):
-            continue
-        grad = [r["grad_norm"] for r in rows]
-        tail, head = rows[-max(1, len(rows) // 5):], rows[:max(1, len(rows) // 5)]
-        rec = dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean", float("nan")),
-                   train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
-                   train_reward_first=float(np.mean([r["reward_mean"] for r in head])),
-                   train_reward_last=float(np.mean([r["reward_mean"] for r in tail])),
-                   grad_norm_mean=float(np.mean(grad)), grad_norm_std=float(np.std(grad)),
-                   grad_norm_cv=float(np.std(grad) / np.mean(grad)), kl_last=float(np.mean([r["kl"] for r in tail])),
-                   diversity_last=float(np.mean([r["diversity"] for r in tail])),
-                   step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])),
-                   **{k: v for k, v in ev.items() if k.startswith("accuracy/")})
-        table.setdefault(arm, []).append(rec)
-        curves.setdefault(arm, []).append(([r["reward_mean"] for r in rows], grad))
-    try:  # the base model without RL, for reference
-        ev = json.load(open(os.path.join(root, "base", "eval", "summary.json")))
-        ev_train = json.load(open(os.path.join(root, "base", "eval_train", "summary.json")))
-        table["base (no RL)"] = [dict(heldout_acc=ev["accuracy"], heldout_reward=ev["reward_mean"],
-                                      train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
-                                      **{k: v for k, v in ev.items() if k.startswith("accuracy/")})]
-    except (OSError, ValueError):
-        pass
-    summary = {arm: {k: (float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs])), len(recs))
-                     for k in recs[0]} for arm, recs in table.items()}
-    with open(os.path.join(root, "study.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    cols = ["train_reward_first", "train_reward_last", "train_reward", "train_acc", "heldout_reward", "heldout_acc", "accuracy/single",
-            "accuracy/two_objects", "accuracy/counting", "accuracy/spatial", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
-            "kl_last", "diversity_last", "step_s"]
-    lines = ["| arm | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    for arm, stats in summary.items():
-        cells = [f"{stats[c][0]:.3f} ± {stats[c][1]:.3f}" if c in stats else "–" for c in cols]
-        lines.append(f"| {arm} | {next(iter(stats.values()))[2]} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines)
-    with open(os.path.join(root, "study.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
-    for arm in STUDY_MAIN:
-        if arm not in curves:
-            continue
-        r = np.mean([c[0] for c in curves[arm]], axis=0)
-        g = np.mean([c[1] for c in curves[arm]], axis=0)
-        ax[0].plot(r, label=arm)
-        ax[1].plot(g, label=arm)
-    ax[0].set(xlabel="GRPO step", ylabel="train reward (mean over seeds)")
-    ax[1].set(xlabel="GRPO step", ylabel="grad norm before clipping", yscale="log")
-    ax[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(root, "study.png"), dpi=110)
-    return summary
-
-
-SECTIONS = dict(sample=bench_sample, record=bench_record, step=bench_step, reward=bench_reward,
-                flops=bench_flops, scaling=bench_scaling)
+SECTIONS = dict(step=bench_step, reward=bench_reward, flops=bench_flops, scaling=bench_scaling,
+                mar_base=bench_mar_base, compile=bench_compile)
+DEFAULT = ["step", "reward", "flops", "scaling"]
 
 
 def main(argv=None):
+    """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
-    p.add_argument("--preset", default="demo", help="train.py preset whose sizes are benchmarked")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    p.add_argument("--mar-base", action="store_true", help="also time mar_base at 256 px (slow on CPU)")
-    p.add_argument("--official-dir", default=None, help="local checkout of LTH14/mar for the side-by-side figures")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    p.add_argument("--study", action="store_true", help="run the controlled study instead (see study())")
-    p.add_argument("--study-seeds", type=int, default=3)
-    p.add_argument("--study-out", default="runs/study")
-    p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
-    p.add_argument("--study-steps", type=int, default=25, help="GRPO steps per study run")
-    p.add_argument("--study-arms", default="all", choices=["all", "main"], help="main: the four main arms only")
-    p.add_argument("--context-probe", default=None, metavar="BASE",
-                   help="instead: does this pixel-token base model (base.pt) use the canvas? (see context_probe)")
+    a = p.add_argument
+    a("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: {','.join(DEFAULT)}, "
+      "or only what --mar-base / --compile ask for)")
+    a("--preset", default="demo", help="train.py preset whose sizes are benchmarked")
+    a("--repeats", type=int, default=3, help="timed repeats per figure")
+    a("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    a("--device", default="cpu", type=torch.device, help="cpu or cuda")
+    a("--mar-base", action="store_true", help="the mar_base section")
+    a("--base-steps", default="8,12,2", help="mar_base: AR, diffusion and trained AR steps measured (preset: 64,100,12)")
+    a("--base-repeats", type=int, default=1, help="mar_base: timed repeats")
+    a("--compile", action="store_true", help="the compile section (with --mar-base: also at mar_base size)")
+    a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    if opts.study:
-        return study(opts, rest)
+    torch.set_num_threads(opts.threads or torch.get_num_threads())
+    sections = opts.sections.split(",") if opts.sections else ([] if opts.mar_base or opts.compile else list(DEFAULT))
+    sections += [s for s, flag in (("mar_base", opts.mar_base), ("compile", opts.compile)) if flag and s not in sections]
+    if any(s not in SECTIONS for s in sections):
+        p.error(f"--sections {opts.sections}: choose from {', '.join(SECTIONS)}")
     args = train.parse_args(["--preset", opts.preset] + rest)
-    if opts.context_probe:
-        return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
-    args.repeats, args.mar_base, args.official_dir = opts.repeats, opts.mar_base, opts.official_dir
-    print(f"bench: preset {opts.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"device cpu", flush=True)
+    print(f"bench: preset {opts.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.device}. "
+          "The figures are ratios within this run; absolute times on a shared machine are noise.", flush=True)
     results = {}
-    for name in opts.sections.split(","):
+    for name in sections:
         print(f"\n[{name}]", flush=True)
-        results[name] = SECTIONS[name](args, lambda s: print(s, flush=True))
+        results[name] = SECTIONS[name](args, opts, lambda s: print(s, flush=True))
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(results, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else float(o))
     return results
 
 

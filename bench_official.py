@@ -1,4 +1,5 @@
-"""Speed of `MAR.sample_tokens` next to the released MAR code (GitHub LTH14/mar), same settings.
+"""The speed of our code against other implementations of the same arithmetic: `MAR.sample_tokens`
+next to the released MAR code (GitHub LTH14/mar), same settings; and ours under torch.compile.
 
 The released code is not part of this repository: pass a local clone with `--official-dir`.
 Its `models/mar.py`, `models/diffloss.py` and `diffusion/` package are imported from there as
@@ -23,14 +24,21 @@ shapes and the spread of the tokens must agree; that is the cross-check printed 
 timings (a check of schedule and sampling plumbing, not a test).
 
 Reported per setting and thread count: seconds per call (median of the timed repeats after one
-warm-up, the two implementations interleaved so that load from other work hits both alike),
-tokens/s and images/s of each, and the ratio official / ours (> 1: ours is faster).
+warm-up, the implementations interleaved so that load from other work hits them alike),
+tokens/s and images/s of each, and the ratio official / ours (> 1: ours is faster). With
+`--compile`, also ours with `compile_model` (inductor, dynamic shapes) and official / compiled.
 
-    python bench_official.py --official-dir ~/src/mar --threads 1 2
+`compile_figures` (called by `python bench.py --compile`) times the head's sampling loop and the
+GRPO update compiled against eager, and checks that recorded and recomputed log-probabilities
+still agree under compilation.
+
+    python bench_official.py --official-dir ~/src/mar --threads 1 2 [--compile]
 """
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import importlib
 import inspect
 import math
@@ -43,7 +51,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import grpo
 import mar
+import policy
 
 # name -> (factory in both codebases, constructor arguments, sampling arguments)
 SETTINGS = {
@@ -144,40 +154,48 @@ def _stats(x):
                 finite=finite.float().mean().item())
 
 
-def time_pair(ours, theirs, sample, repeats, seed=0):
-    """Median seconds per `sample_tokens` call of both models, after one warm-up each; the timed
-    calls alternate which model goes first. Returns (ours_s, official_s, ours_out, official_out)
-    with the outputs of the warm-up calls (same seed for both)."""
-    bsz = sample["bsz"]
-    labels = torch.arange(bsz) % ours.num_classes
-    args = dict(num_iter=sample["num_iter"], cfg=sample["cfg"], cfg_schedule=sample["cfg_schedule"],
-                labels=labels, temperature=sample["temperature"])
+def time_runs(runs, repeats, seed=0):
+    """Median seconds per call of each of `runs` ({name: fn(seed)}) after one warm-up call each; the
+    order of the timed calls rotates every round. Returns ({name: median s}, {name: warm-up output},
+    {name: warm-up seconds}: with torch.compile, the compilation)."""
+    outputs, first = {}, {}
+    for name, fn in runs.items():  # warm-up, and the cross-check's outputs (same seed for all)
+        t0 = time.perf_counter()
+        outputs[name] = fn(seed)
+        first[name] = time.perf_counter() - t0
+    names, times = list(runs), {name: [] for name in runs}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            runs[name](seed + 1 + r)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, outputs, first
 
-    def run_ours(s):
-        return ours.sample_tokens(bsz, generator=torch.Generator().manual_seed(s), **args)
+
+def sampling_runs(ours, theirs, sample, ours_compiled=None):
+    """{name: fn(seed)} calling `sample_tokens` of each implementation on the same labels."""
+    bsz = sample["bsz"]
+    args = dict(num_iter=sample["num_iter"], cfg=sample["cfg"], cfg_schedule=sample["cfg_schedule"],
+                labels=torch.arange(bsz) % ours.num_classes, temperature=sample["temperature"])
 
     def run_official(s):
         with official_on_cpu(s), torch.no_grad():
             return theirs.sample_tokens(bsz, **args)
-
-    out_ours, out_official = run_ours(seed), run_official(seed)  # warm-up, and the cross-check
-    times = {"ours": [], "official": []}
-    for r in range(repeats):
-        order = [("ours", run_ours), ("official", run_official)]
-        for name, fn in (order if r % 2 else order[::-1]):
-            t0 = time.perf_counter()
-            fn(seed + 1 + r)
-            times[name].append(time.perf_counter() - t0)
-    return statistics.median(times["ours"]), statistics.median(times["official"]), out_ours, out_official
+    runs = {"official": run_official,
+            "ours": lambda s: ours.sample_tokens(bsz, generator=torch.Generator().manual_seed(s), **args)}
+    if ours_compiled is not None:
+        runs["ours compiled"] = lambda s: ours_compiled.sample_tokens(bsz, generator=torch.Generator().manual_seed(s), **args)
+    return runs
 
 
 def compare_with_official(official_dir, out=print, repeats=3, base_repeats=2, threads=(None,),
-                          settings=("tiny", "mar_base"), seed=0):
+                          settings=("tiny", "mar_base"), seed=0, compile=False):
     """Time `sample_tokens` of ours and of the released MAR code side by side.
 
     official_dir: a local clone of LTH14/mar; repeats: timed calls per implementation for the
     tiny setting (base_repeats for mar_base), after one warm-up; threads: torch thread counts to
-    run each setting with (None = torch's default); settings: names from SETTINGS.
+    run each setting with (None = torch's default); settings: names from SETTINGS; compile: also
+    time ours with `compile_model` (its first call, which compiles, is reported apart).
     Returns {"rows": [one dict per (setting, threads)], "checks": {setting: cross-check}}.
     """
     official = import_official(official_dir)
@@ -185,29 +203,35 @@ def compare_with_official(official_dir, out=print, repeats=3, base_repeats=2, th
     rows, checks = [], {}
     out("sample_tokens, ours vs. official LTH14/mar (fp32, eval, no_grad); median of timed calls after a warm-up")
     out(f"{'setting':<9} {'thr':>3} {'official s':>10} {'ours s':>8} {'official tok/s':>14} {'ours tok/s':>10} "
-        f"{'official img/s':>14} {'ours img/s':>10} {'off/ours':>8}")
+        f"{'official img/s':>14} {'ours img/s':>10} {'off/ours':>8}" + (f" {'off/compiled':>12}" if compile else ""))
     try:
         for setting in settings:
             spec = SETTINGS[setting]
             ours, theirs = build_pair(official, setting, seed)
+            ours_compiled = compile_model(copy.deepcopy(ours)) if compile else None
             bsz, n_rep = spec["sample"]["bsz"], (base_repeats if setting == "mar_base" else repeats)
             tokens = bsz * ours.seq_len
             for n in threads:
                 torch.set_num_threads(default_threads if n is None else int(n))
-                t_ours, t_official, y_ours, y_official = time_pair(ours, theirs, spec["sample"], n_rep, seed)
+                t, y, first = time_runs(sampling_runs(ours, theirs, spec["sample"], ours_compiled), n_rep, seed)
+                t_ours, t_official = t["ours"], t["official"]
                 row = dict(setting=setting, threads=torch.get_num_threads(), bsz=bsz, tokens=tokens,
                            repeats=n_rep, official_s=t_official, ours_s=t_ours,
                            official_tok_s=tokens / t_official, ours_tok_s=tokens / t_ours,
                            official_img_s=bsz / t_official, ours_img_s=bsz / t_ours,
                            ratio=t_official / t_ours)
+                if compile:
+                    row.update(ours_compiled_s=t["ours compiled"], ratio_compiled=t_official / t["ours compiled"],
+                               compile_first_call_s=first["ours compiled"])
                 rows.append(row)
                 out(f"{setting:<9} {row['threads']:>3} {t_official:>10.3f} {t_ours:>8.3f} {row['official_tok_s']:>14.1f} "
                     f"{row['ours_tok_s']:>10.1f} {row['official_img_s']:>14.3f} {row['ours_img_s']:>10.3f} "
-                    f"{row['ratio']:>7.2f}x")
+                    f"{row['ratio']:>7.2f}x" + (f" {row['ratio_compiled']:>11.2f}x (compiled first call "
+                                                f"{first['ours compiled']:.1f} s)" if compile else ""))
                 if setting not in checks:
-                    a, b = _stats(y_ours), _stats(y_official)
+                    a, b = _stats(y["ours"]), _stats(y["official"])
                     # relative standard error of a sample std is about 1/sqrt(2n)
-                    tol = 5.0 / math.sqrt(2 * y_ours.numel())
+                    tol = 5.0 / math.sqrt(2 * y["ours"].numel())
                     ok = a["shape"] == b["shape"] and a["finite"] == b["finite"] == 1.0 and \
                         abs(a["std"] / b["std"] - 1) < tol
                     checks[setting] = dict(ours=a, official=b, std_tolerance=tol, ok=ok)
@@ -217,6 +241,55 @@ def compare_with_official(official_dir, out=print, repeats=3, base_repeats=2, th
     finally:
         torch.set_num_threads(default_threads)
     return dict(rows=rows, checks=checks)
+
+
+# -----------------------------------------------------------------------------
+# Ours under torch.compile
+
+def compile_model(model):
+    """torch.compile (inductor; dynamic shapes, since the row counts change every AR step) where the
+    arithmetic is: each transformer block and the head's net. In place; returns the model."""
+    for block in [*model.encoder_blocks, *model.decoder_blocks, model.diffloss.net]:
+        block.compile(dynamic=True)
+    return model
+
+
+def compile_figures(bench, out, repeats, update_steps=None):
+    """Compiled / eager seconds of the head's sampling loop (head.sample at a plain AR step's rows and
+    at all L rows) and of MAR-GRPO's update (policy.backward_rollout of the last rollout of `bench`, a
+    bench.StepBench that has run, on its first `update_steps` trained steps), on deep copies; the
+    first (compiling) calls are reported apart, and the log-probability parity of both."""
+    import bench as figures  # the timing helpers of bench.py (which imports this file only when asked)
+    st, res, parity = bench.st, {}, {}
+    a, L, D = st.args, st.model.seq_len, st.model.diffloss.net.cond_embed.in_features
+    comp, comp_ref = compile_model(copy.deepcopy(st.model)), compile_model(copy.deepcopy(st.ref))
+    record = dataclasses.replace(bench.record, steps=bench.record.steps[:update_steps])
+    adv = grpo.group_advantages(torch.randn(st.B, generator=torch.Generator().manual_seed(7)).to(st.device), st.G)
+
+    def update(model, ref, tag):
+        stats, _ = policy.backward_rollout(policy.PolicyLoss(model), False, ref, record, st.inputs, adv, st.cfgs["mar-grpo"],
+                                           bench.seeds, bench.uncertain, [None] * len(record.steps), contextlib.nullcontext)
+        model.zero_grad(set_to_none=True)
+        parity[tag] = max(float(s["logp_parity_err"]) for s in stats)
+
+    def head_sample(model, z):
+        return lambda: model.diffloss.sample(z, a.temperature, a.cfg, torch.Generator(st.device).manual_seed(0))
+
+    jobs = {}
+    for rows in (st.B * max(st.model.ar_schedule(a.num_iter, L)), st.B * L):
+        z = torch.randn((2 if a.cfg != 1 else 1) * rows, D, generator=torch.Generator().manual_seed(8)).to(st.device)
+        jobs[f"head.sample, {rows} rows"] = dict(eager=head_sample(st.model, z), compiled=head_sample(comp, z))
+    jobs[f"update, {len(record.steps)} trained AR step(s)"] = dict(
+        eager=lambda: update(st.model, st.ref, "eager"), compiled=lambda: update(comp, comp_ref, "compiled"))
+    out(f"torch.compile (inductor, dynamic shapes), {a.preset} size: compiled / eager, median of {repeats} after the first calls")
+    for name, fns in jobs.items():
+        t, first = figures.interleaved(fns, st.device, repeats)
+        res[name] = dict(ratio=t["compiled"] / t["eager"], seconds=t, first_call_s=first)
+        out(f"  {name:<36}{t['compiled'] / t['eager']:5.2f}×  (first calls: eager {first['eager']:.1f} s, "
+            f"compiled {first['compiled']:.1f} s)")
+    res["logp_parity_err"] = parity
+    out(f"  recorded vs recomputed ℓ, max |Δ|: eager {parity['eager']:.1e}, compiled {parity['compiled']:.1e}")
+    return res
 
 
 if __name__ == "__main__":
@@ -229,12 +302,13 @@ if __name__ == "__main__":
     parser.add_argument("--settings", nargs="+", default=["tiny", "mar_base"], choices=list(SETTINGS),
                         help="which settings to run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the sampling")
+    parser.add_argument("--compile", action="store_true", help="also time ours under torch.compile (compile_model)")
     args = parser.parse_args()
     if args.repeats < 1 or args.base_repeats < 1:
         parser.error("--repeats and --base-repeats must be at least 1")
     try:
         compare_with_official(args.official_dir, repeats=args.repeats, base_repeats=args.base_repeats,
                               threads=tuple(args.threads) if args.threads else (None,),
-                              settings=tuple(args.settings), seed=args.seed)
+                              settings=tuple(args.settings), seed=args.seed, compile=args.compile)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
