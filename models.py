@@ -162,12 +162,13 @@ def load_prompts(args, model):
     if args.prompts is None:
         raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
     items = read_prompt_file(args.prompts, "text")
-    return Prompts("text", items, encode=text_encoder(args, model))
+    return Prompts("text", items, encode=text_encoder(args, model, items))
 
 
-def text_encoder(args, model):
+def text_encoder(args, model, items):
     """prompts (list of str), device -> condition inputs: Harmon's tokenizer (--tokenizer, a local
-    folder), or NOVA's precomputed embeddings (--prompt-embeds, written by `python nova.py`)."""
+    folder), or NOVA's precomputed embeddings of `items` (--prompt-embeds, written by
+    `python prompts.py embed-nova`)."""
     if args.model == "harmon":
         import harmon
         if not args.tokenizer:
@@ -176,12 +177,12 @@ def text_encoder(args, model):
         harmon.set_null_prompt_from_tokenizer(model, tokenizer)
         return lambda prompts, device: {k: v.to(device) for k, v in harmon.prompt_ids(tokenizer, prompts).items()}
     if not args.prompt_embeds:
-        raise ValueError("--prompt-embeds: --model nova needs the prompts' Phi-2 embeddings (python nova.py --help)")
+        raise ValueError("--prompt-embeds: --model nova needs the prompts' Phi-2 embeddings (python prompts.py embed-nova)")
     table = checkpoints.read_checkpoint(args.prompt_embeds, "--prompt-embeds")
     if not isinstance(table, dict) or not {"prompts", "embeds"} <= table.keys():
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: expected a dict with 'prompts' and 'embeds'")
     index = {p: i for i, p in enumerate(table["prompts"])}
-    missing = [p for p in read_prompt_file(args.prompts, "text") if p not in index]
+    missing = [p for p in items if p not in index]
     if missing:
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: no embedding for {len(missing)} prompts, e.g. {missing[0]!r}")
     return lambda prompts, device: dict(prompt_embeds=table["embeds"][[index[p] for p in prompts]].to(device))
