@@ -2,7 +2,7 @@
 
     python bench.py                          # step, reward, flops, scaling at the demo config
     python bench.py --sections step,reward --preset smoke --repeats 1
-    python bench.py --mar-base               # mar_base: step and recording ratios (CPU: ~30 min)
+    python bench.py --mar-base --threads 1   # mar_base: step and recording ratios (2 shared cores: ~35 min)
     python bench.py --compile [--mar-base]   # torch.compile against eager (bench_official.compile_figures)
 
 Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
@@ -195,9 +195,8 @@ class StepBench:
 
     def median(self, stage):
         """Median seconds of a stage; "recording" is the recorded rollout less the plain one, paired per repeat."""
-        if stage == "recording":
-            return statistics.median([b - a for a, b in zip(self.times["rollout"], self.times["recorded"])])
-        return statistics.median(self.times[stage])
+        pairs = zip(self.times.get("rollout", []), self.times.get("recorded", []))
+        return statistics.median([b - a for a, b in pairs] if stage == "recording" else self.times[stage])
 
     def parts(self, method):
         """{stage: median seconds} of one method's step."""
@@ -375,7 +374,7 @@ def main(argv=None):
     a("--device", default="cpu", type=torch.device, help="cpu or cuda")
     a("--mar-base", action="store_true", help="the mar_base section")
     a("--base-steps", default="8,12,2", help="mar_base: AR, diffusion and trained AR steps measured (preset: 64,100,12)")
-    a("--base-repeats", type=int, default=1, help="mar_base: timed repeats")
+    a("--base-repeats", type=int, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
     a("--compile", action="store_true", help="the compile section (with --mar-base: also at mar_base size)")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)

@@ -40,6 +40,8 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import math
 import statistics
@@ -92,6 +94,10 @@ def import_official(official_dir):
     packages = ("models", "diffusion")
     ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] in packages}
     sys.path.insert(0, str(root))
+    for name in packages:  # a folder without __init__.py (the checkout's models/) loses to this repository's models.py
+        if not (root / name / "__init__.py").is_file():
+            sys.modules[name] = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None, is_package=True))
+            sys.modules[name].__path__ = [str(root / name)]
     try:
         return importlib.import_module("models.mar")
     finally:
