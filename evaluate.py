@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import models
 import rewards
+import processes
 import rollout
 import shapes
 
@@ -265,7 +266,6 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
     list runs on rank b mod world with the generator seeded by (args.seed, SEED_STAGE, b). Every
     rank writes its images to out_dir/images/; rank 0 writes out_dir/scores.jsonl. Returns the
     rows of scores.jsonl, sorted (every rank gets all of them)."""
-    import train
     from PIL import Image
     jobs = [(i, j) for i in range(len(items)) for j in range(args.images_per_prompt)]
     batches = [jobs[b0:b0 + args.batch_size] for b0 in range(0, len(jobs), args.batch_size)]
@@ -276,7 +276,7 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
         texts, metas = prompts.texts(its), prompts.metas(its)
         with ctx.autocast():
             images = generate(model, codec, prompts.condition(its, ctx.device), args,
-                              train.seeded(ctx.device, args.seed, SEED_STAGE, b))  # (B, 3, H, W) in [0, 1]
+                              processes.seeded(ctx.device, args.seed, SEED_STAGE, b))  # (B, 3, H, W) in [0, 1]
         columns = {}
         for name, reward_fn in reward_fns.items():
             scores, info = score(reward_fn, name, images, texts, metas)  # (B,)
@@ -338,7 +338,7 @@ def main(argv=None):
     dict (also DIR/table.json); an empty dict on ranks > 0."""
     import train
     args = parse_table_args(argv)
-    ctx = train.Ctx(args)
+    ctx = processes.Ctx(args)
     weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
     names = reward_names(args.reward)
     reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}

@@ -24,6 +24,7 @@ from PIL import Image
 
 import clip_rewards
 import evaluate
+import processes
 import mar
 import models
 import rewards
@@ -159,7 +160,7 @@ def test_images_are_the_seeded_batches_and_differ_between_checkpoints(table_run,
     prompts = models.load_prompts(args, model)
     jobs = [(i, j) for i in range(2) for j in range(2)]
     for b, chunk in enumerate([jobs[:3], jobs[3:]]):
-        gen = train.seeded(torch.device("cpu"), 5, evaluate.SEED_STAGE, b)
+        gen = processes.seeded(torch.device("cpu"), 5, evaluate.SEED_STAGE, b)
         inputs = prompts.condition([prompts.items[i] for i, _ in chunk], "cpu")
         images = evaluate.generate(model, mar.PixelCodec(), inputs, args, gen)  # (len(chunk), 3, 32, 32)
         for k, (i, j) in enumerate(chunk):

@@ -435,6 +435,7 @@ import grpo
 import masks
 import mte
 import policy
+import processes
 import rollout
 
 
@@ -830,11 +831,11 @@ def test_smoke_pipeline_end_to_end(tmp_path):
 def test_seeded_generators_live_on_the_draws_device(smoke_base, monkeypatch):
     """No random draw of a GRPO step may use a generator of another device than the draw (a CUDA
     draw with a CPU generator raises), nor the global RNG (a resumed run would not repeat it).
-    Every torch sampling function is wrapped to check both during a smoke GRPO step; train.seeded
+    Every torch sampling function is wrapped to check both during a smoke GRPO step; processes.seeded
     puts its generator on the device it is given."""
-    assert train.seeded(torch.device("cpu"), 0, 1).device == torch.device("cpu")
+    assert processes.seeded(torch.device("cpu"), 0, 1).device == torch.device("cpu")
     if torch.cuda.is_available():
-        assert train.seeded(torch.device("cuda"), 0, 1).device.type == "cuda"
+        assert processes.seeded(torch.device("cuda"), 0, 1).device.type == "cuda"
     seen = []
 
     def checked(fn):

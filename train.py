@@ -49,7 +49,7 @@ import policy
 import rewards
 import rollout
 import shapes
-from processes import Ctx, Stop, all_finite, seeded  # noqa: F401  (train.seeded: evaluate.py, tests)
+from processes import Ctx, Stop, all_finite
 from prompts import read_prompt_file
 
 # -----------------------------------------------------------------------------
