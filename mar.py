@@ -26,6 +26,10 @@ What this file adds or changes, in order of importance:
    trained for minutes on a CPU does not learn which tokens are neighbours from learned position
    embeddings (its z ignores the canvas around a position); this prior gives it that locality
    (docs/research_log.md). Official models never set it; their checkpoints load as before.
+5. `mask_schedule="cosine"` (small models only; "official" by default): pretraining masks a
+   fraction cos(π/2·u), u ~ U(0, 1), of each image, as MaskGIT does. The official truncated normal
+   (loc 1, scale 0.25, ≥ 0.7) never shows more than 30% of an image, while sampling's later AR
+   steps condition on 40-98% of it; the small MAR does not carry over to those canvases.
 
 The pixel codec lives at the end of the file; the KL-16 VAE is vae.py, and loading official
 `.pth` files (and ours) is models.load_checkpoint.
@@ -68,7 +72,8 @@ class MAR(nn.Module):
                  vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
                  attn_dropout=0.1, proj_dropout=0.1, buffer_size=64,
                  diffloss_d=3, diffloss_w=1024, num_sampling_steps='100', diffusion_batch_mul=4,
-                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0):
+                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0,
+                 mask_schedule="official"):
         super().__init__()
         norm_eps = norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
@@ -81,7 +86,7 @@ class MAR(nn.Module):
             proj_dropout=proj_dropout, buffer_size=buffer_size, diffloss_d=diffloss_d, diffloss_w=diffloss_w,
             num_sampling_steps=str(num_sampling_steps), diffusion_batch_mul=diffusion_batch_mul,
             grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised,
-            local_conv=local_conv)
+            local_conv=local_conv, mask_schedule=mask_schedule)
 
         # tokens
         self.vae_embed_dim = vae_embed_dim
@@ -101,6 +106,9 @@ class MAR(nn.Module):
         if text_vocab_size > 0:
             self.text_emb = nn.Embedding(text_vocab_size, encoder_embed_dim)
         self.mask_ratio_min = mask_ratio_min
+        if mask_schedule not in ("official", "cosine"):
+            raise ValueError(f"mask_schedule must be 'official' or 'cosine', got {mask_schedule!r}")
+        self.mask_schedule = mask_schedule  # not in the official MAR: see the module docstring, item 5
 
         # MAE encoder
         self.z_proj = nn.Linear(self.token_embed_dim, encoder_embed_dim, bias=True)
@@ -183,13 +191,20 @@ class MAR(nn.Module):
         return torch.argsort(torch.rand(bsz, self.seq_len, device=device, generator=generator), dim=1)
 
     def random_masking(self, x, orders, generator=None):
-        """MAE training mask (B, L), 1 = masked: one ratio per batch from a normal(1, 0.25)
-        truncated to [mask_ratio_min, 1] (inverse-CDF sampling), the first ⌈L·ratio⌉ of each order."""
+        """MAE training mask (B, L), 1 = masked: the first ⌈L·ratio⌉ positions of each order.
+
+        official: a normal(1, 0.25) truncated to [mask_ratio_min, 1] (inverse-CDF sampling). cosine
+        (small models, item 5 of the module docstring): cos(π/2·u), u ~ U(0, 1), the unknown fractions
+        that `sample_tokens` meets. One ratio per batch either way (the encoder keeps the same number
+        of tokens in every row)."""
         bsz, seq_len, _ = x.shape
-        a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
         u = torch.rand((), generator=generator, dtype=torch.float64, device=orders.device).cpu()
-        mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
-        num_masked = int(math.ceil(seq_len * mask_rate))
+        if self.mask_schedule == "cosine":
+            mask_rate = math.cos(math.pi / 2 * u.item())
+        else:
+            a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
+            mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
+        num_masked = max(1, int(math.ceil(seq_len * mask_rate)))
         mask = torch.zeros(bsz, seq_len, device=x.device)
         return torch.scatter(mask, -1, orders[:, :num_masked], 1.0)
 

@@ -396,6 +396,26 @@ def test_random_masking_ratio_in_range():
     assert abs(sum(ratios) / len(ratios) - expected) < 0.01, (sum(ratios) / len(ratios), expected)
 
 
+def test_cosine_mask_schedule_covers_what_sampling_meets():
+    """mask_schedule="cosine": ratio cos(π/2·u), u ~ U(0, 1), one per batch, at least one token
+    masked: mean 2/π, and a third of the batches show more than half of the image (never with the
+    official schedule)."""
+    model = tiny_mar(img_size=32, mask_schedule="cosine")  # 64 tokens
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(3, 64, 48)
+    ratios = []
+    for _ in range(3000):
+        m = model.random_masking(x, model.sample_orders(3, g), g)
+        assert torch.equal(m[0].sum(), m[2].sum()) and m[0].sum() >= 1
+        ratios.append(m[0].mean().item())
+    ratios = torch.tensor(ratios)
+    assert abs(ratios.mean().item() - 2 / math.pi) < 0.02, ratios.mean()
+    assert abs((ratios < 0.5).float().mean().item() - 1 / 3) < 0.03
+    assert ratios.min().item() == 1 / 64 and ratios.max().item() == 1.0
+    with pytest.raises(ValueError, match="mask_schedule"):
+        tiny_mar(mask_schedule="uniform")
+
+
 def test_load_checkpoint_official_format_and_errors(tmp_path):
     model = tiny_mar()
     ema = {k: v + 1.0 if v.is_floating_point() else v for k, v in model.state_dict().items()}

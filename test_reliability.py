@@ -423,3 +423,19 @@ def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base
     slope = float(np.polyfit(np.arange(10, 50), rss[10:], 1)[0])
     assert slope < 0.5 and rss[49] - rss[10] < 50, (slope, rss)
     assert sorted(os.listdir(out / "ckpt")) == ["latest.pt", "step_000040.pt", "step_000050.pt"]
+
+
+def test_shipped_demo_base_is_the_recorded_file_and_the_demo_model():
+    """python train.py starts from bases/demo.pt: the file is the one whose checksum train.py records,
+    it loads through --init's path (float16 weights into a float32 model), and it is the model the
+    demo preset describes; --init scratch and --stage pretrain pretrain instead."""
+    args = train.parse_args([])
+    assert args.init == train.DEMO_BASE
+    assert hashlib.sha256(Path(train.DEMO_BASE).read_bytes()).hexdigest() == train.DEMO_BASE_SHA256
+    model = models.load_policy(args, args.init)
+    want = dict(models.small_mar_config(args), num_sampling_steps=str(args.num_sampling_steps))
+    assert {k: model.config[k] for k in want} == want
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert train.parse_args(["--init", "scratch"]).init is None
+    assert train.parse_args(["--stage", "pretrain"]).init is None
+    assert train.parse_args(["--stage", "pretrain", "--init", "x.pt"]).init == "x.pt"  # check_inputs rejects it

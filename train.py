@@ -55,11 +55,20 @@ from prompts import read_prompt_file
 # -----------------------------------------------------------------------------
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
 
+# The demo's base, committed in float16 (3.5 MB): pretrained by
+#     python train.py --stage pretrain --out runs/demo_base --threads 2     (8000 steps, 43 min here)
+#     python checkpoints.py half runs/demo_base/base.pt bases/demo.pt
+# `python train.py --init scratch` pretrains it again instead of loading it.
+DEMO_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "demo.pt")
+DEMO_BASE_SHA256 = "8180678c66b5ee90b54d49b3af6fa5885e7375df9cac16296de250b5a1632ceb"
+
 PRESETS = {
     # python train.py: a small MAR with a local prior (mar.py item 4: without it the base does not read
-    # its canvas) on the shapes world, then MAR-GRPO with MTE only on the tokens written at the trained
-    # step and without the last noisy diffusion step (both measured: docs/research_log.md)
-    "demo": dict(local_conv=3, mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
+    # its canvas) on 16×16 shapes images of 64 two-pixel tokens (with 4-pixel tokens at 32 px it
+    # draws no shapes), from the shipped base; 16 AR steps; MAR-GRPO with MTE only on the tokens written
+    # at the trained step and without the last noisy diffusion step (measured: docs/research_log.md)
+    "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
+                 mte_positions="predicted", min_diff_step=2, lr=1e-4, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
@@ -124,7 +133,8 @@ def build_parser():
     a("--preset", default="demo", choices=sorted(PRESETS), help="named group of defaults")
     a("--stage", default="all", choices=["pretrain", "grpo", "all"], help="what to run")
     a("--out", default=None, help="output folder (default runs/<preset>)")
-    a("--init", default=None, help="base checkpoint: ours, an official MAR .pth, harmon_*.pth, or a NOVA pipeline folder")
+    a("--init", default=None, help="base checkpoint: ours, an official MAR .pth, harmon_*.pth, or a NOVA pipeline folder; "
+                                   "'scratch': pretrain the small shapes model here (the demo starts from DEMO_BASE)")
     a("--resume", nargs="?", const="yes", default="no", choices=["no", "yes", "auto"],
       help="continue from the newest readable checkpoint in --out/ckpt: --resume (one must exist), --resume auto "
            "(if one exists; a torchrun relaunch does this by itself), or no (a fresh run replaces --out's checkpoints)")
@@ -148,6 +158,8 @@ def build_parser():
     a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
     a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 4)")
     a("--cell", type=NONNEG_INT, default=0, help="pretraining images: objects aligned to cells of this many pixels (0 = free)")
+    a("--mask-schedule", default="official", choices=["official", "cosine"],
+      help="pretraining mask ratios: official truncated normal, or cos(π/2·u) (small model; mar.py item 5)")
     a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
     a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for MAR and Harmon; NOVA: its vae/ folder (default: beside --init)")
     # sampling
@@ -206,6 +218,8 @@ def parse_args(argv=None):
     p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
     args.out = args.out or os.path.join("runs", preset)
+    if args.init == "scratch" or (args.stage == "pretrain" and args.init == PRESETS[preset].get("init")):
+        args.init = None  # pretrain here (or reuse <out>/base.pt), not the preset's shipped base
     if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         args.resume = "auto"  # torchrun relaunched the job after a failure: continue, do not start over
     return args
