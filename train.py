@@ -68,7 +68,7 @@ PRESETS = {
     # draws no shapes), from the shipped base; 16 AR steps; MAR-GRPO with MTE only on the tokens written
     # at the trained step and without the last noisy diffusion step (measured: docs/research_log.md)
     "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
-                 mte_positions="predicted", min_diff_step=2, lr=1e-4, cfg=6.0),
+                 mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
