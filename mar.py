@@ -27,9 +27,10 @@ What this file adds or changes, in order of importance:
    embeddings (its z ignores the canvas around a position); this prior gives it that locality
    (docs/research_log.md). Official models never set it; their checkpoints load as before.
 5. `mask_schedule="cosine"` (small models only; "official" by default): pretraining masks a
-   fraction cos(π/2·u), u ~ U(0, 1), of each image, as MaskGIT does. The official truncated normal
-   (loc 1, scale 0.25, ≥ 0.7) never shows more than 30% of an image, while sampling's later AR
-   steps condition on 40-98% of it; the small MAR does not carry over to those canvases.
+   fraction cos(π/2·u), u ~ U(0, 1), of the images of a batch, as MaskGIT does. The official
+   truncated normal (loc 1, scale 0.25, ≥ 0.7) never shows more than 30% of an image, while
+   sampling's later AR steps condition on 40-98% of it. Measured on the shapes world, it did not
+   help the small MAR (docs/research_log.md), so nothing uses it by default.
 
 The pixel codec lives at the end of the file; the KL-16 VAE is vae.py, and loading official
 `.pth` files (and ours) is models.load_checkpoint.

@@ -1,7 +1,7 @@
 """MAR-GRPO training: one script from a CPU laptop to `torchrun --nproc_per_node=8`.
 
-    python train.py                      # the demo: pretrain a small MAR on the shapes world (cached),
-                                         # MAR-GRPO on shapes prompts, evaluation before/after
+    python train.py                      # the demo: MAR-GRPO from the shipped small MAR (bases/demo.pt)
+                                         # on shapes prompts, evaluation before/after
     python train.py --preset smoke       # the whole pipeline at toy size (tests, CI)
     torchrun --nproc_per_node=8 train.py --preset mar_base --init mar_base.pth --vae kl16.ckpt \\
         --reward hpsv2 --reward-ckpt hpsv2=HPS_v2.1_compressed.pt
@@ -9,8 +9,9 @@
 
 Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL from `--init`),
 `--stage all` (default: pretrain unless `--init` or a cached base exists, GRPO, then evaluation of
-base and tuned models). The single-process path is the distributed path: DDP when torchrun sets
-RANK; rank 0 alone logs and writes. Every random draw of a step comes from a generator seeded by
+base and tuned models; the demo's `--init` is its shipped base, `--init scratch` pretrains instead).
+The single-process path is the distributed path: DDP when torchrun sets RANK; rank 0 alone logs and
+writes. Every random draw of a step comes from a generator seeded by
 (seed, stage, step, rank) on the run's device, so a resumed run continues exactly.
 
 When things go wrong: flags are checked when parsed (ranges, finiteness), cross-flag rules and
