@@ -205,7 +205,7 @@ class MAR(nn.Module):
         else:
             a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
             mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
-        num_masked = max(1, int(math.ceil(seq_len * mask_rate)))
+        num_masked = int(math.ceil(seq_len * mask_rate))  # >= 1: u < 1, so the cosine ratio is > 0
         mask = torch.zeros(bsz, seq_len, device=x.device)
         return torch.scatter(mask, -1, orders[:, :num_masked], 1.0)
 

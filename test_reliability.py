@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints
 import evaluate
 import mar
 import models
@@ -431,7 +432,7 @@ def test_shipped_demo_base_is_the_recorded_file_and_the_demo_model():
     demo preset describes; --init scratch and --stage pretrain pretrain instead."""
     args = train.parse_args([])
     assert args.init == train.DEMO_BASE
-    assert hashlib.sha256(Path(train.DEMO_BASE).read_bytes()).hexdigest() == train.DEMO_BASE_SHA256
+    assert checkpoints.sha256(train.DEMO_BASE) == train.DEMO_BASE_SHA256
     model = models.load_policy(args, args.init)
     want = dict(models.small_mar_config(args), num_sampling_steps=str(args.num_sampling_steps))
     assert {k: model.config[k] for k in want} == want
