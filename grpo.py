@@ -27,6 +27,13 @@ What the paper says, what the released code does, and what this file does:
 5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. Here:
    drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
    (never the pure-noise step; see diffloss.py).
+6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
+   step (SPEC §5). But only P_i is written into the image at step i; on U_i outside P_i the head's
+   samples are previews that are thrown away and drawn again later, so for grpo and
+   grpo-fixed-head their term has zero mean whatever the reward (pure variance), and under the
+   consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. Here: the
+   released W by default; `--policy-positions predicted` keeps W = P_i, the policy gradient of
+   the trajectory that made the image (measured on the demo: docs/research_log.md).
 """
 
 from dataclasses import dataclass
@@ -46,6 +53,7 @@ class GRPOConfig:
     top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
     mte_positions: str = "unknown"  # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
     tau: float | None = 0.0       # consistency threshold; None = no consistency mask
+    policy_positions: str = "unknown"  # policy term on U_i (released) or on P_i only ("predicted")
     train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
 
     def validate(self):
@@ -60,6 +68,8 @@ class GRPOConfig:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
         if self.mte_positions not in ("unknown", "predicted"):
             raise ValueError(f"--mte-positions {self.mte_positions!r}: choose 'unknown' or 'predicted'")
+        if self.policy_positions not in ("unknown", "predicted"):
+            raise ValueError(f"--policy-positions {self.policy_positions!r}: choose 'unknown' or 'predicted'")
         if self.train_cfg not in ("rollout", "1"):
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:

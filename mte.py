@@ -23,6 +23,11 @@ What the paper says, what the released code does, and what this file does:
    per element can differ, and only where σ depends on x^t.
 4. Released: the seeds are guided with the w of the last AR step for every token. Here: each
    token is guided with the w it was generated with (`cfg_final`).
+5. A property, not a choice: on P_i (z_i = z_final) each seed's ∇ℓ is the score of the very
+   distribution the seed was drawn from, so its mean over seeds is zero whatever the advantage.
+   There MTE does not average a gradient; it replaces the uncertain tokens' policy gradient by
+   noise that shrinks as 1/√S, i.e. it masks them (tested; docs/research_log.md). Only on U_i
+   outside P_i, evaluated under another z, do the seeds carry a direction.
 """
 
 import torch

@@ -95,6 +95,8 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, rollout.tokens,
                                   step.unknown, step.pred, config.tau).gather(1, step.unk_idx)  # (B, n)
+    if config.policy_positions == "predicted":  # only the tokens this step wrote into the image
+        keep = keep & step.pred.gather(1, step.unk_idx)
     stats["keep_frac"] = keep.float().mean()
 
     # KL to the reference policy, on the rollout trajectory over all of U_i

@@ -770,6 +770,59 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     assert differ  # the rollout has a step where the two variants differ
 
 
+def test_mte_seed_gradient_has_zero_mean_where_the_seeds_were_drawn():
+    """A property of MTE (SPEC §4; docs/research_log.md): the seeds are head trajectories drawn under
+    z_final, with each token's τ and w. On P_i they are evaluated under that same z (z_i = z_final),
+    so each seed's ∇_z ℓ is the score of the distribution it was drawn from, whose mean is zero:
+    E_{x ~ p(·|z)} ∇_z log p(x | z) = 0. The seeds' term (1/S) Σ_s ρ⁽ˢ⁾A therefore carries no
+    gradient in expectation there (noise shrinking as 1/√S): on P_i, MTE removes the uncertain
+    tokens from the policy gradient. Under another z (U_i outside P_i, the released placement)
+    the mean does not vanish."""
+    torch.manual_seed(0)
+    head = DiffLoss(3, 16, 2, 32, "16", clip_denoised=True)
+    with torch.no_grad():  # a head whose output depends on z (the official init zeroes the last layer)
+        for p in head.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    L, S, D = 4, 2048, 16
+    z_final = torch.randn(1, L, D)
+    steps = torch.tensor([4, 2, 1])
+    seeds = mte.sample_trajectories(head, z_final, None, None, 0.7, S, steps, torch.Generator().manual_seed(1))
+
+    def grad_z(z_eval, s):  # ∇_z of the seeds' mean ℓ over the seeds `s` (a slice), all evaluated under z_eval
+        z = z_eval.clone().requires_grad_(True)
+        x_t, x_prev, std = (seeds[key][s].transpose(0, 1) for key in ("x_t", "x_prev", "std"))  # (K, S', 1, L, C)
+        mean = rollout.transition_mean(head, x_t, steps, z.expand(x_t.shape[1], 1, L, D), None, 1.0)
+        return torch.autograd.grad(transition_logprob(x_prev, mean, std).sum() / x_t.shape[1], z)[0]
+
+    def ratio(z_eval):  # |mean over S seeds| / mean |one seed|
+        single = torch.stack([grad_z(z_eval, slice(s, s + 1)).norm() for s in range(16)]).mean()
+        return (grad_z(z_eval, slice(None)).norm() / single).item()
+
+    assert ratio(z_final) < 3 / S ** 0.5  # ≈ 1/√S: zero mean
+    assert ratio(z_final + 0.5 * torch.randn_like(z_final)) > 0.3  # another z: a real direction
+
+
+def test_policy_positions_predicted_keeps_exactly_the_tokens_written_at_the_step(monkeypatch):
+    """--policy-positions predicted: W = P_i, the tokens the trained step wrote into the image (the
+    released W = U_i ∧ (H ∨ P_i) always contains P_i, so the consistency mask no longer matters)."""
+    model = tiny_mar()
+    model.diffloss.requires_grad_(False)
+    record, cond = make_rollout(model)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    released = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"], beta=0.0)
+    predicted = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"], beta=0.0, policy_positions="predicted")
+    got = _loss_and_grads(model, record, cond, adv, predicted)
+    assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])  # P_i ⊊ U_i: the test can tell
+    real = masks.consistency_mask
+    monkeypatch.setattr(masks, "consistency_mask", lambda preview, prev, final, unknown, pred, tau: pred & unknown)
+    want = _loss_and_grads(model, record, cond, adv, released)
+    monkeypatch.setattr(masks, "consistency_mask", real)
+    broad = _loss_and_grads(model, record, cond, adv, released)
+    assert got[0] == pytest.approx(want[0], rel=1e-6) and got[0] != pytest.approx(broad[0], rel=1e-3)
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g)
+
+
 def test_mte_trajectories_are_one_batched_head_call(monkeypatch):
     model = tiny_mar()
     record, _ = make_rollout(model)

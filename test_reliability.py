@@ -105,6 +105,9 @@ BAD_INPUT = {
     "NaN tau": ("--tau nan", ["--tau", "nan"]),
     "EMA of 1": ("--ema 1", ["--ema", "1"]),
     "--out where no file can be made": ("--out /proc/margrpo_run", ["--out", "/proc"]),
+    "--pretrain-from of another size": ("--stage pretrain --pretrain-from {b} --embed-dim 48", ["--pretrain-from", "wrong shape"]),
+    "--pretrain-from missing": ("--stage pretrain --pretrain-from {t}/nope.pt", ["--pretrain-from", "nope.pt"]),
+    "--pretrain-from without pretraining": ("--init {b} --pretrain-from {b}", ["--pretrain-from", "does not pretrain"]),
 }
 
 
@@ -277,6 +280,22 @@ def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
                        "--max-bad-steps", "2", "--out", tmp_path / "b")
     assert code == 1 and "pretraining: 2 non-finite steps in a row (--max-bad-steps 2)" in err
     assert not (tmp_path / "b" / "base.pt").exists()
+
+
+def test_pretraining_continues_from_a_base(tmp_path, smoke_base, capsys):
+    """--pretrain-from starts from the base's weights: with 0 steps the written base is that base;
+    with steps it trains on from there (a fresh optimizer)."""
+    code, stdout, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--pretrain-steps", "0",
+                            "--pretrain-from", smoke_base, "--out", tmp_path / "zero")
+    assert code == 0, err
+    assert f"from {smoke_base}" in stdout
+    start, again = load(smoke_base)["model"], load(tmp_path / "zero" / "base.pt")["model"]
+    assert all(torch.equal(start[k], again[k]) for k in start)
+    code, _, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--pretrain-steps", "3",
+                       "--pretrain-from", smoke_base, "--out", tmp_path / "more")
+    assert code == 0, err
+    more = load(tmp_path / "more" / "base.pt")["model"]
+    assert any(not torch.equal(start[k], more[k]) for k in start)
 
 
 # -----------------------------------------------------------------------------

@@ -173,6 +173,8 @@ def build_parser():
     a("--pretrain-steps", type=NONNEG_INT, default=2000, help="optimizer steps of base pretraining")
     a("--pretrain-batch", type=POS_INT, default=32, help="images per pretraining step (global)")
     a("--pretrain-lr", type=POS_FLOAT, default=1e-3, help="pretraining peak learning rate")
+    a("--pretrain-from", default=None, help="start pretraining from this base's weights (ours, same size flags) instead of "
+                                         "a random model: a new optimizer and lr schedule, e.g. to pretrain a base longer")
     a("--ema", type=number(float, 0, 1, high_open=True), default=0.999, help="EMA decay of the pretrained base")
     a("--diffusion-batch-mul", type=POS_INT, default=1, help="official diffusion_batch_mul for pretraining")
     # GRPO (SPEC §6–§8); the component flags (default: the --method's) override the method
@@ -193,6 +195,8 @@ def build_parser():
     a("--train-cfg", default=None, choices=["rollout", "1"], help="recompute ℓ with the rollout's guidance, or 1 (released)")
     a("--mte-seeds", type=NONNEG_INT, default=None, help="S trajectories for MTE (0 = off)")
     a("--top-k", type=FRACTION, default=None, help="fraction of tokens with MTE")
+    a("--policy-positions", default=None, choices=["unknown", "predicted"],
+      help="policy term on U_i (released) or only on P_i, the tokens written at the trained step")
     a("--mte-positions", default=None, choices=["unknown", "predicted"], help="MTE on uncertain U_i (released) or P_i only")
     a("--tau", type=optional_tau, default=None, help="consistency threshold τ, or 'off'")
     a("--train-head", default=None, choices=["yes", "no"], help="train the diffusion head")
@@ -256,7 +260,9 @@ def check_inputs(args, world):
         raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {world}")
     if will_pretrain(args) and args.model != "small":
         raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
-    for name in ("init", "prompts", "vae", "tokenizer", "prompt_embeds"):
+    if args.pretrain_from is not None and not will_pretrain(args):
+        raise ValueError("--pretrain-from: this run does not pretrain (it has --init or a cached <out>/base.pt)")
+    for name in ("init", "prompts", "vae", "tokenizer", "prompt_embeds", "pretrain_from"):
         path = getattr(args, name)
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
@@ -313,7 +319,10 @@ def pretrain(args, ctx):
     --max-bad-steps of them in a row stop the run before base.pt is written."""
     local_batch = args.pretrain_batch // ctx.world  # divisibility: check_inputs
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = mar.build_mar(models.small_mar_config(args)).to(ctx.device)
+    model = mar.build_mar(models.small_mar_config(args))
+    if args.pretrain_from is not None:  # continue a base: its (EMA) weights, strict shapes, a fresh optimizer
+        model = models.load_checkpoint(args.pretrain_from, model=model, flag="--pretrain-from").train()
+    model = model.to(ctx.device)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.pretrain_lr,
@@ -321,7 +330,8 @@ def pretrain(args, ctx):
     net = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None) if ctx.ddp else model
     codec = mar.PixelCodec()
     ctx.print0(f"pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter MAR "
-               f"for {args.pretrain_steps} steps of {args.pretrain_batch} images")
+               f"for {args.pretrain_steps} steps of {args.pretrain_batch} images"
+               + (f", from {args.pretrain_from}" if args.pretrain_from else ""))
     bad_steps = bad_total = 0
     for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
         # --- data: fresh renders of train-split prompts, a different slice on every rank
