@@ -264,7 +264,8 @@ def check_inputs(args, world):
     if will_pretrain(args) and args.model != "small":
         raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
     if args.pretrain_from is not None and not will_pretrain(args):
-        raise ValueError("--pretrain-from: this run does not pretrain (it has --init or a cached <out>/base.pt)")
+        why = f"it starts from --init {args.init}" if args.init else f"it reuses {os.path.join(args.out, 'base.pt')}"
+        raise ValueError(f"--pretrain-from: this run does not pretrain ({why}); use --stage pretrain or --init scratch")
     for name in ("init", "prompts", "vae", "tokenizer", "prompt_embeds", "pretrain_from"):
         path = getattr(args, name)
         if path is not None and not os.path.exists(path):
