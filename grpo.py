@@ -66,10 +66,9 @@ class GRPOConfig:
             raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
         if self.inner_epochs < 1:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
-        if self.mte_positions not in ("unknown", "predicted"):
-            raise ValueError(f"--mte-positions {self.mte_positions!r}: choose 'unknown' or 'predicted'")
-        if self.policy_positions not in ("unknown", "predicted"):
-            raise ValueError(f"--policy-positions {self.policy_positions!r}: choose 'unknown' or 'predicted'")
+        for name in ("mte_positions", "policy_positions"):
+            if getattr(self, name) not in ("unknown", "predicted"):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose 'unknown' or 'predicted'")
         if self.train_cfg not in ("rollout", "1"):
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:

@@ -79,12 +79,13 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, 
     pi_term, ratio = grpo.policy_surrogate(logp, logp_old, A, clip)
     new_old = {"logp": logp_old}
     stats = {"logp_parity_err": (logp.detach() - step.logp).abs().max()}
+    pred = step.pred.gather(1, step.unk_idx)  # (B, n) P_i on U_i: the tokens this step wrote
 
     # multi-trajectory expectation on the uncertain unknown positions (mte.py)
     if seeds is not None:
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
         if config.mte_positions == "predicted":  # only where the seeds' z_final is this step's z_i
-            unc = unc & step.pred.gather(1, step.unk_idx)
+            unc = unc & pred
         logp_s = mte.seed_logprobs(model.diffloss, seeds, step, z, z_null, w, unc)  # (S, K, B, n, C)
         logp_s_old = logp_s.detach() if old is None else old["logp_seeds"]
         term_s, _ = grpo.policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
@@ -96,7 +97,7 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, 
     keep = masks.consistency_mask(step.preview, step.preview_prev, rollout.tokens,
                                   step.unknown, step.pred, config.tau).gather(1, step.unk_idx)  # (B, n)
     if config.policy_positions == "predicted":  # only the tokens this step wrote into the image
-        keep = keep & step.pred.gather(1, step.unk_idx)
+        keep = keep & pred
     stats["keep_frac"] = keep.float().mean()
 
     # KL to the reference policy, on the rollout trajectory over all of U_i
