@@ -4,6 +4,7 @@
     python bench.py --sections step,reward --preset smoke --repeats 1
     python bench.py --mar-base --threads 1   # mar_base: step and recording ratios (2 shared cores: ~35 min)
     python bench.py --compile [--mar-base]   # torch.compile against eager (bench_official.compile_figures)
+    python bench.py --study main             # the study's tables: handed to study.py (docs/study.md)
 
 Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
 with / without a plan, each step's parts, plain rollout images/s, record bytes), reward (the
@@ -26,6 +27,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -363,7 +365,13 @@ DEFAULT = ["step", "reward", "flops", "scaling"]
 
 
 def main(argv=None):
-    """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}."""
+    """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}.
+    `python bench.py --study TABLE ...` and `--context-probe BASE` are study.py's (experiments, not
+    performance figures) and are handed to it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a.split("=")[0] in ("--study", "--context-probe") for a in argv):
+        import study
+        return study.main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: {','.join(DEFAULT)}, "

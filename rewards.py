@@ -28,6 +28,7 @@ Rewards, the weight files they need, and where those files are published
 | `--reward` name | score | `weights` key -> file | where the official file is published |
 |---|---|---|---|
 | `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in shapes.py) |
+| `shapes_coverage` | a hackable proxy: the mean fraction of pixels in each of the prompt's colours (study only) | none | - |
 | `jpeg_compressibility` | -(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `jpeg_incompressibility` | +(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `clip_score` | 100 * cos(image, prompt) | `clip_score` -> `ViT-L-14.pt` for the default `model_name="ViT-L-14-quickgelu"`; any open_clip checkpoint of the `model_name` you choose | OpenAI CLIP release (`https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt`, the file `clip.load("ViT-L/14")` fetches) or HF `openai/clip-vit-large-patch14` `model.safetensors`; other archs: the `open_clip_pytorch_model.bin` of their HF repo (e.g. `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` with `model_name="ViT-H-14"`) |
@@ -318,6 +319,38 @@ class ShapesReward(Reward):
         return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
 
 
+class ShapesCoverageReward(Reward):
+    """A deliberately hackable proxy of the shapes world, for the reward-hacking study (docs/study.md):
+    the mean, over the colours the prompt asks for, of the fraction of pixels of that colour,
+
+        r = 1/|C| sum_{c in C} #{pixels nearest to colour c} / (H W),   C = the prompt's colours,
+
+    pixels assigned to the nearest of black and the palette as the verifier does. It rises with
+    the right colours on the canvas, so it correlates with the verifier's score, but it pays more
+    for more paint: large blobs score higher than the asked shapes, counts and sizes."""
+
+    name = "shapes_coverage"
+
+    def __init__(self, device="cpu"):
+        import shapes
+        import verifier
+        self.shapes, self.verifier = shapes, verifier
+
+    def score(self, images, prompts, metadata):
+        images = torch.as_tensor(np.asarray(images.cpu() if torch.is_tensor(images) else images))
+        if images.dtype == torch.uint8:
+            images = images.float() / 255
+        pixels = images.float().clamp(0, 1).permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
+        classes = self.verifier.nearest_colour(pixels)  # (B, H, W), 0 = black, k = the k-th colour
+        names = list(self.shapes.COLORS)
+        scores = []
+        for b, (prompt, meta) in enumerate(zip(prompts, metadata)):
+            meta = meta if meta and "objects" in meta else self.shapes.parse_prompt(prompt)
+            asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
+            scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
+        return torch.tensor(scores, dtype=torch.float32), {}
+
+
 def jpeg_size_kb(images, quality=95):
     """JPEG file size in kB (1000 bytes) of each image at `quality`, DDPO's measure.
     images: (B, 3, H, W) in [0, 1]. Returns (B,) float32."""
@@ -359,6 +392,7 @@ def _built_from(module, cls_name):
 _CLIP_OPTIONS = {"model_name", "dtype", "batch_size"}
 REWARDS = {
     "shapes": (ShapesReward, (), set()),
+    "shapes_coverage": (ShapesCoverageReward, (), set()),
     "jpeg_compressibility": (lambda device="cpu": JpegReward(-1.0, device), (), set()),
     "jpeg_incompressibility": (lambda device="cpu": JpegReward(+1.0, device), (), set()),
     "clip_score": (_built_from("clip_rewards", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),

@@ -1,17 +1,22 @@
-"""The controlled study of the README ("The study") and the context probe of its "Findings":
+"""The controlled study of docs/study.md and the context probe of the README's "Findings":
 experiments that run train.py many times or look inside a base model, not performance figures
 (those are bench.py's).
 
-    python study.py --study [--study-seeds 3] [--study-arms main] [--study-out runs/study] \
-        [--study-train-flags "--lr 1e-4"] [train.py flags for every run]
-    python study.py --context-probe runs/demo/base.pt    # does a base model use its canvas?
+    python study.py --study sweep         # the learning rate: grpo-fixed-head at SWEEP_LRS
+    python study.py --study main          # MAIN_ARMS × 3 seeds, 150 steps, evaluated at 50/100/150
+    python study.py --study hack          # 3 arms trained on a hackable proxy (HACK_REWARD), 150 steps
+    python study.py --study components    # COMPONENT_ARMS, one seed, 100 steps
+        [--study-out runs/study] [--study-lr 1e-4] [--study-seeds N] [--study-steps N] [--report-only]
+        [--study-train-flags "..."] [train.py flags for every run]
+    python study.py --context-probe bases/demo.pt    # does a base model use its canvas?
 
-The study: one base model (pretrained into --study-out unless a base.pt is already there), then
-for every arm of STUDY_MAIN (--study-seeds seeds each) and STUDY_ABLATIONS (one seed) a GRPO run
-of --study-steps steps on the four STUDY_PROMPTS, each evaluated on the stratified held-out
-prompts and on the study prompts × 24 images with fixed seeds. Runs go two at a time with one
-thread each; finished ones are skipped, so an interrupted study continues where it stopped.
-It ends by writing study.json, study.md and study.png into --study-out.
+A table: GRPO runs from the preset's base (the demo's shipped bases/demo.pt; a preset without one
+pretrains a base into --study-out) on the four STUDY_PROMPTS, each run's checkpoints at the table's
+steps evaluated with fixed seeds on the stratified held-out prompts and on the study prompts × 24
+images (the base once, the same way). Runs go two at a time with one thread each; finished runs and
+evaluations are skipped and an interrupted run resumes from its last checkpoint, so an interrupted
+table continues where it stopped. It ends by writing
+<table>.json, <table>.md and <table>.png into --study-out.
 """
 
 import argparse
@@ -27,33 +32,50 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import evaluate
 import mar
 import models
 import shapes
 import train
 from prompts import Prompts
 
-STUDY_MAIN = {  # arm -> train.py flags; --study-seeds seeds each
+# The study (docs/study.md): GRPO from the demo's shipped base on four fixed training prompts, one
+# per category, 4 prompts × G = 4 images a step, one thread per run, two runs at a time; every
+# arm's seed s draws the same prompts and noise. Four tables, one command each:
+#     python study.py --study sweep|main|hack|components
+STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
+                 "a blue square left of a green circle"]
+STUDY_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--keep-last", "0", "--save-every", "50"]
+SWEEP_LRS = ["3e-5", "1e-4", "3e-4"]
+STUDY_LR = "3e-5"  # the sweep's choice: the fixed head's training reward rises at 3e-5, falls at 1e-4 (docs/study.md)
+HACK_LR = "1e-4"   # the proxy runs: fast enough that the policy moves (KL ~1e-2 after 60 steps in the sweep)
+HACK_REWARD = "shapes_coverage:1,shapes:0"  # train on the proxy; the verifier (weight 0) is only logged
+
+MAIN_ARMS = {  # arm -> train.py flags
     "grpo": ["--method", "grpo"],
     "grpo-fixed-head": ["--method", "grpo-fixed-head"],
     "mar-grpo": ["--method", "mar-grpo", "--mte-positions", "unknown"],
     "mar-grpo, MTE on P_i": ["--method", "mar-grpo", "--mte-positions", "predicted"],
 }
-STUDY_ABLATIONS = {  # one seed each; S = 1 is the fixed head with the masks alone
-    "MTE alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "unknown"],
-    "MTE on P_i alone": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--mte-positions", "predicted"],
-    "masks alone (S=1, tau 0)": ["--method", "grpo-fixed-head", "--tau", "0"],
+COMPONENT_ARMS = {  # against mar-grpo (S = 3, k = 30%, τ = 0, MTE on U_i); S = 1 is the masks without MTE
+    "MTE alone (S=3 on all tokens, no mask)": ["--method", "grpo-fixed-head", "--mte-seeds", "3", "--top-k", "1",
+                                               "--mte-positions", "unknown"],
+    "mar-grpo S=1 (consistency mask alone)": ["--method", "grpo-fixed-head", "--tau", "0"],
     "mar-grpo S=5": ["--method", "mar-grpo", "--mte-seeds", "5", "--mte-positions", "unknown"],
     "mar-grpo k=10%": ["--method", "mar-grpo", "--top-k", "0.1", "--mte-positions", "unknown"],
     "mar-grpo k=60%": ["--method", "mar-grpo", "--top-k", "0.6", "--mte-positions", "unknown"],
     "mar-grpo tau off": ["--method", "mar-grpo", "--tau", "off", "--mte-positions", "unknown"],
 }
-
-
-# the study trains on four fixed training-split prompts, one per category, so that 25 GRPO steps
-# on 2 CPU cores separate the arms; held-out evaluation uses the usual stratified held-out set
-STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
-                 "a blue square left of a green circle"]
+# table -> its arms, seeds per arm, GRPO steps, checkpoints evaluated, learning rate (None: the
+# arm's own), training reward (None: the preset's verifier)
+TABLES = {
+    "sweep": dict(arms={f"grpo-fixed-head lr{lr}": ["--method", "grpo-fixed-head", "--lr", lr] for lr in SWEEP_LRS},
+                  seeds=1, steps=60, evals=(), lr=None, reward=None),
+    "main": dict(arms=MAIN_ARMS, seeds=3, steps=150, evals=(50, 100, 150), lr=STUDY_LR, reward=None),
+    "hack": dict(arms={k: MAIN_ARMS[k] for k in ("grpo", "grpo-fixed-head", "mar-grpo")}, seeds=1, steps=150,
+                 evals=(50, 100, 150), lr=HACK_LR, reward=HACK_REWARD),
+    "components": dict(arms=COMPONENT_ARMS, seeds=1, steps=100, evals=(50, 100), lr=STUDY_LR, reward=None),
+}
 
 
 def _coloured(tokens):
@@ -148,160 +170,253 @@ def run_context_probe(path, args, out):
 
 def _slug(arm):
     """A folder name for an arm: 'mar-grpo, MTE on P_i' -> 'mar-grpo_MTE_on_P_i'."""
-    return re.sub(r"[^A-Za-z0-9.=-]+", "_", arm).strip("_")
+    return re.sub(r"[^A-Za-z0-9.=%-]+", "_", arm).strip("_")
 
 
-def _study_runs(opts):
-    runs = [(arm, seed, flags) for arm, flags in STUDY_MAIN.items() for seed in range(opts.study_seeds)]
-    if opts.study_arms == "main":
-        return runs
-    return runs + [(arm, 0, flags) for arm, flags in STUDY_ABLATIONS.items()]
+def _tables(text):
+    """'main,hack' -> ['main', 'hack'] (argparse type of --study)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TABLES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{bad or text!r}: choose tables from {', '.join(TABLES)}")
+    return names
+
+
+def _table(opts, name):
+    """Table `name`'s spec, with --study-seeds / --study-steps / --study-lr (tables on STUDY_LR) applied."""
+    spec = dict(TABLES[name])
+    spec["seeds"] = opts.study_seeds or spec["seeds"]
+    spec["steps"] = opts.study_steps or spec["steps"]
+    if spec["lr"] == STUDY_LR and opts.study_lr:
+        spec["lr"] = opts.study_lr
+    spec["evals"] = tuple(k for k in spec["evals"] if k <= spec["steps"]) or (() if not spec["evals"] else (spec["steps"],))
+    return spec
+
+
+def _run_dir(root, table, arm, seed):
+    return os.path.join(root, table, _slug(arm), f"seed{seed}")
 
 
 def study(opts, extra):
-    """Run every arm (GRPO from one base, then two evaluations: the stratified held-out prompts, and
-    the study's four training prompts × 24 images with fixed seeds), two processes at a time with
-    one thread each, skipping what is already finished; then write the table, JSON and plot.
-    `extra` flags go to every train.py call; --study-train-flags only to the GRPO runs."""
+    """Run the tables of --study (TABLES), in one queue: every arm × seed a GRPO run from the base, then for each
+    evaluated checkpoint two evaluations with fixed seeds (the stratified held-out prompts, and the
+    four study prompts × 24 images); the base is evaluated the same way once. Two processes at a
+    time with one thread each; finished runs and evaluations are skipped, so an interrupted table
+    continues where it stopped. Ends with study_report of each table. `extra` flags go to every
+    train.py call, --study-train-flags only to the GRPO runs."""
     root = opts.study_out
     extra = ["--preset", opts.preset] + extra
     os.makedirs(root, exist_ok=True)
     prompt_file = os.path.join(root, "prompts.txt")
     with open(prompt_file, "w") as f:
         f.write("\n".join(STUDY_PROMPTS) + "\n")
-    train_extra = ["--prompts", prompt_file, "--steps", str(opts.study_steps)] + opts.study_train_flags.split()
-    base = os.path.join(root, "base.pt")
     py = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
-    if not os.path.exists(base):
+    base = train.PRESETS[opts.preset].get("init") or os.path.join(root, "base.pt")
+    if not os.path.exists(base):  # a preset without a shipped base: pretrain one into the study's folder
         subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
 
-    def evals(ckpt, out):  # held-out prompts (stratified), then the study's training prompts, 24 images each
+    def evals(ckpt, out, k):  # held-out prompts (stratified), then the study's prompts × 24 images
         cmds = []
-        if not os.path.exists(os.path.join(out, "eval", "summary.json")):
-            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval"), "--threads", "1"] + extra)
-        if not os.path.exists(os.path.join(out, "eval_train", "summary.json")):
-            cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, "eval_train"), "--threads", "1",
-                              "--prompts", prompt_file, "--eval-images-per-prompt", "24"] + extra)
+        for name, flags in ((f"eval_{k}", []), (f"eval_train_{k}", ["--prompts", prompt_file, "--eval-images-per-prompt", "24"])):
+            if not os.path.exists(os.path.join(out, name, "summary.json")):
+                cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, name), "--threads", "1"]
+                            + extra + flags)
         return cmds
 
     def shell(cmds):
         return " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)
 
-    jobs = []
-    base_cmds = evals(base, os.path.join(root, "base"))
-    if base_cmds:
-        jobs.append(("base", 0, shell(base_cmds)))
-    for arm, seed, flags in _study_runs(opts):
-        out = os.path.join(root, _slug(arm), f"seed{seed}")
-        cmds = []
-        if not os.path.exists(os.path.join(out, "eval", "summary.json")):  # evaluation follows a finished run
-            cmds.append(py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed), "--threads", "1"]
-                        + flags + extra + train_extra)
-        cmds += evals(os.path.join(out, "ckpt", "latest.pt"), out)
-        if cmds:
-            jobs.append((arm, seed, shell(cmds)))
+    jobs = []  # (table, arm, seed, shell command)
+    base_cmds = evals(base, os.path.join(root, "base"), 0)
+    if base_cmds and any(_table(opts, name)["evals"] for name in opts.study):
+        jobs.append(("base", "base", 0, shell(base_cmds)))
+    for name in opts.study:
+        spec = _table(opts, name)
+        train_flags = ["--prompts", prompt_file, "--steps", str(spec["steps"])] + STUDY_RUN
+        train_flags += ["--lr", spec["lr"]] if spec["lr"] else []
+        train_flags += ["--reward", spec["reward"]] if spec["reward"] else []
+        for arm, flags in spec["arms"].items():
+            for seed in range(spec["seeds"]):
+                out = _run_dir(root, name, arm, seed)
+                cmds = []
+                if not os.path.exists(os.path.join(out, "ckpt", f"step_{spec['steps']:06d}.pt")):
+                    cmds.append(py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed),
+                                      "--threads", "1", "--resume", "auto"] + extra + train_flags + flags + opts.study_train_flags.split())
+                for k in spec["evals"]:
+                    cmds += evals(os.path.join(out, "ckpt", f"step_{k:06d}.pt"), out, k)
+                if cmds:
+                    jobs.append((name, arm, seed, shell(cmds)))
     running = []
     while jobs or running:
         while jobs and len(running) < 2:
-            arm, seed, cmd = jobs.pop(0)
-            print(f"study: {arm} seed {seed}", flush=True)
-            log = open(os.path.join(root, f"log_{_slug(arm)}_{seed}.txt"), "w")
+            name, arm, seed, cmd = jobs.pop(0)
+            print(f"study {name}: {arm} seed {seed}", flush=True)
+            log = open(os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt"), "w")
             running.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
                                             env=dict(os.environ, OMP_NUM_THREADS="1")))
         time.sleep(2)
         for p in [p for p in running if p.poll() is not None]:
             if p.returncode:
-                print(f"study: a run failed ({p.args[:120]}...)", flush=True)
+                print(f"study: a run failed ({p.args[:160]}...)", flush=True)
             running.remove(p)
-    return study_report(opts)
+    return {name: study_report(opts, name) for name in opts.study}
 
 
-def study_report(opts):
-    """Aggregate metrics.jsonl and eval summaries into study.json, study.md and study.png."""
+def _ends(values, n=10):
+    """Mean of the first and of the last n values (n at most a fifth of them)."""
+    n = max(1, min(n, len(values) // 5))
+    return float(np.mean(values[:n])), float(np.mean(values[-n:]))
+
+
+def run_record(out, steps, evals):
+    """One finished run's figures: training reward (and, under a proxy, the logged verifier score)
+    at the start and the end, accuracies at the evaluated checkpoints, the gradient norm's mean,
+    std/mean and max over steps, KL and within-group diversity at the end, seconds per step.
+    Returns (record, per-step rows), or None if the run or an evaluation has not finished."""
+    if not os.path.exists(os.path.join(out, "ckpt", f"step_{steps:06d}.pt")):
+        return None
+    try:
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        ev = {k: (json.load(open(os.path.join(out, f"eval_{k}", "summary.json"))),
+                  json.load(open(os.path.join(out, f"eval_train_{k}", "summary.json")))) for k in evals}
+    except (OSError, ValueError):
+        return None
+    grad = np.array([r["grad_norm"] for r in rows])
+    rec = dict(zip(("reward_first", "reward_last"), _ends([r["reward_mean"] for r in rows])))
+    if "reward/shapes_coverage" in rows[0]:
+        rec.update(zip(("verifier_first", "verifier_last"), _ends([r["reward/shapes"] for r in rows])))
+    for k, (held, trn) in ev.items():
+        rec[f"train_acc@{k}"], rec[f"heldout_acc@{k}"] = trn["accuracy"], held["accuracy"]
+        rec[f"train_score@{k}"] = trn["reward_mean"]  # the verifier's mean score (evaluations use the preset's reward)
+    rec.update(grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
+               grad_norm_max=float(grad.max()), kl_last=_ends([r["kl"] for r in rows])[1],
+               diversity_last=_ends([r["diversity"] for r in rows])[1],
+               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+    return rec, rows
+
+
+def _smooth(x, w=10):
+    """Trailing moving average over w steps (shorter at the start)."""
+    c = np.cumsum(np.insert(np.asarray(x, dtype=float), 0, 0.0))
+    i = np.arange(1, len(x) + 1)
+    return (c[i] - c[np.maximum(i - w, 0)]) / np.minimum(i, w)
+
+
+def sample_grid(root, name, spec, path, per_prompt=2):
+    """Rows of `per_prompt` evaluation images of each study prompt (the same seeds in every row):
+    the base, then every arm's seed 0 at the table's last evaluated checkpoint. Returns the row labels."""
+    from PIL import Image
+    k = spec["evals"][-1]
+    rows = [("base (no RL)", os.path.join(root, "base", "eval_train_0"))]
+    rows += [(f"{arm}, step {k}", os.path.join(_run_dir(root, name, arm, 0), f"eval_train_{k}")) for arm in spec["arms"]]
+    images, captions, labels = [], [], []
+    for label, folder in rows:
+        try:
+            results = [json.loads(line) for line in open(os.path.join(folder, "results.jsonl"))]
+        except OSError:
+            continue
+        per = len(results) // len(STUDY_PROMPTS)  # the images of a prompt are consecutive
+        for r in [results[i * per + j] for i in range(len(STUDY_PROMPTS)) for j in range(per_prompt)]:
+            img = np.array(Image.open(os.path.join(folder, r["file"])).convert("RGB"))
+            images.append(torch.from_numpy(img).permute(2, 0, 1).float() / 255)  # (3, H, W)
+            captions.append(("[ok] " if r["details"]["correct"] else "") + r["prompt"])
+        labels.append(label)
+    if images:
+        evaluate.save_grid(torch.stack(images), captions, path)
+    return labels
+
+
+def study_report(opts, name):
+    """Aggregate one table's finished runs into <table>.json, <table>.md and <table>.png in
+    --study-out: per arm, mean ± std over seeds of run_record's figures; curves of the training
+    reward (and the verifier under a proxy) and the gradient norm, mean over seeds with a ±std band,
+    and accuracy at the evaluated checkpoints against the base's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    root, table, curves = opts.study_out, {}, {}
-    for arm, seed, _ in _study_runs(opts):
-        out = os.path.join(root, _slug(arm), f"seed{seed}")
-        try:
-            rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            ev = json.load(open(os.path.join(out, "eval", "summary.json")))
-            ev_train = json.load(open(os.path.join(out, "eval_train", "summary.json")))
-        except (OSError, ValueError):
-            continue
-        grad = [r["grad_norm"] for r in rows]
-        tail, head = rows[-max(1, len(rows) // 5):], rows[:max(1, len(rows) // 5)]
-        rec = dict(heldout_acc=ev.get("accuracy", float("nan")), heldout_reward=ev.get("reward_mean", float("nan")),
-                   train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
-                   train_reward_first=float(np.mean([r["reward_mean"] for r in head])),
-                   train_reward_last=float(np.mean([r["reward_mean"] for r in tail])),
-                   grad_norm_mean=float(np.mean(grad)), grad_norm_std=float(np.std(grad)),
-                   grad_norm_cv=float(np.std(grad) / np.mean(grad)), kl_last=float(np.mean([r["kl"] for r in tail])),
-                   diversity_last=float(np.mean([r["diversity"] for r in tail])),
-                   step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])),
-                   **{k: v for k, v in ev.items() if k.startswith("accuracy/")})
-        table.setdefault(arm, []).append(rec)
-        curves.setdefault(arm, []).append(([r["reward_mean"] for r in rows], grad))
-    try:  # the base model without RL, for reference
-        ev = json.load(open(os.path.join(root, "base", "eval", "summary.json")))
-        ev_train = json.load(open(os.path.join(root, "base", "eval_train", "summary.json")))
-        table["base (no RL)"] = [dict(heldout_acc=ev["accuracy"], heldout_reward=ev["reward_mean"],
-                                      train_acc=ev_train["accuracy"], train_reward=ev_train["reward_mean"],
-                                      **{k: v for k, v in ev.items() if k.startswith("accuracy/")})]
+    root, spec = opts.study_out, _table(opts, name)
+    records, curves = {}, {}
+    for arm in spec["arms"]:
+        for seed in range(spec["seeds"]):
+            got = run_record(_run_dir(root, name, arm, seed), spec["steps"], spec["evals"])
+            if got:
+                records.setdefault(arm, []).append(got[0])
+                curves.setdefault(arm, []).append(got[1])
+    base = {}
+    try:
+        held, trn = (json.load(open(os.path.join(root, "base", n, "summary.json"))) for n in ("eval_0", "eval_train_0"))
+        base = {"train_acc": trn["accuracy"], "heldout_acc": held["accuracy"], "train_score": trn["reward_mean"]}
     except (OSError, ValueError):
         pass
     summary = {arm: {k: (float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs])), len(recs))
-                     for k in recs[0]} for arm, recs in table.items()}
-    with open(os.path.join(root, "study.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    cols = ["train_reward_first", "train_reward_last", "train_reward", "train_acc", "heldout_reward", "heldout_acc", "accuracy/single",
-            "accuracy/two_objects", "accuracy/counting", "accuracy/spatial", "grad_norm_mean", "grad_norm_std", "grad_norm_cv",
-            "kl_last", "diversity_last", "step_s"]
-    lines = ["| arm | seeds | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+                     for k in recs[0]} for arm, recs in records.items()}
+    with open(os.path.join(root, f"{name}.json"), "w") as f:
+        json.dump({"table": name, "spec": {k: v for k, v in spec.items() if k != "arms"}, "base": base,
+                   "arms": summary}, f, indent=1)
+    cols = [c for c in next(iter(summary.values()), {}) if c not in ("train_score@" + str(k) for k in spec["evals"])]
+    lines = [f"`python study.py --study {name}`: {spec['steps']} steps, lr {spec['lr'] or 'per arm'}, "
+             f"reward {spec['reward'] or 'shapes'}; mean ± std over seeds (n in the second column)."]
+    if base:
+        lines.append(f"Base (no RL): study prompts accuracy {base['train_acc']:.3f}, held out {base['heldout_acc']:.3f}.")
+    lines += ["", "| arm | n | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for arm, stats in summary.items():
-        cells = [f"{stats[c][0]:.3f} ± {stats[c][1]:.3f}" if c in stats else "–" for c in cols]
-        lines.append(f"| {arm} | {next(iter(stats.values()))[2]} | " + " | ".join(cells) + " |")
+        cells = [f"{stats[c][0]:.3g} ± {stats[c][1]:.2g}" if stats[c][2] > 1 else f"{stats[c][0]:.3g}" for c in cols]
+        lines.append(f"| {arm} | {stats[cols[0]][2]} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
-    with open(os.path.join(root, "study.md"), "w") as f:
+    with open(os.path.join(root, f"{name}.md"), "w") as f:
         f.write(text + "\n")
     print(text)
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
-    for arm in STUDY_MAIN:
-        if arm not in curves:
-            continue
-        r = np.mean([c[0] for c in curves[arm]], axis=0)
-        g = np.mean([c[1] for c in curves[arm]], axis=0)
-        ax[0].plot(r, label=arm)
-        ax[1].plot(g, label=arm)
-    ax[0].set(xlabel="GRPO step", ylabel="train reward (mean over seeds)")
-    ax[1].set(xlabel="GRPO step", ylabel="grad norm before clipping", yscale="log")
-    ax[0].legend(fontsize=8)
+
+    panels = [("reward_mean", "training reward" if not spec["reward"] else "proxy reward (trained on)")]
+    panels += [("reward/shapes", "verifier score of the rollouts")] if spec["reward"] else []
+    panels += [("grad_norm", "gradient norm before clipping")]
+    fig, axes = plt.subplots(1, len(panels) + bool(spec["evals"]), figsize=(4.2 * (len(panels) + 1), 3.6))
+    for arm, runs in curves.items():
+        for ax, (key, label) in zip(axes, panels):
+            y = np.array([_smooth([r[key] for r in rows]) for rows in runs])  # (seeds, steps)
+            line, = ax.plot(y.mean(0), label=f"{arm} ({len(runs)})")
+            if len(runs) > 1:
+                ax.fill_between(np.arange(y.shape[1]), y.mean(0) - y.std(0), y.mean(0) + y.std(0),
+                                color=line.get_color(), alpha=0.2)
+            ax.set(xlabel="GRPO step", ylabel=label + " (10-step mean)", yscale="log" if key == "grad_norm" else "linear")
+        if spec["evals"]:
+            ks = [0, *spec["evals"]]
+            acc = np.array([[base.get("train_acc", np.nan), *[r[f"train_acc@{k}"] for k in spec["evals"]]]
+                            for r in records[arm]])
+            axes[-1].errorbar(ks, acc.mean(0), yerr=acc.std(0) if len(acc) > 1 else None, marker="o", capsize=3)
+    if spec["evals"]:
+        axes[-1].set(xlabel="GRPO step (0 = base)", ylabel="verifier accuracy, study prompts × 24")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(root, "study.png"), dpi=110)
+    fig.savefig(os.path.join(root, f"{name}.png"), dpi=110)
+    if spec["evals"]:
+        labels = sample_grid(root, name, spec, os.path.join(root, f"{name}_samples.png"))
+        print(f"{name}_samples.png, one row each: " + "; ".join(labels))
     return summary
 
 
 def main(argv=None):
     """`python study.py ...`: the study (returns its summary) or the context probe (its figures)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--study", action="store_true", help="run the controlled study (see study())")
+    p.add_argument("--study", default=None, type=_tables, metavar="TABLE[,TABLE]",
+                   help=f"run tables of the study in one queue: {', '.join(TABLES)} (see study())")
     p.add_argument("--context-probe", default=None, metavar="BASE",
                    help="does this pixel-token base model (base.pt) use the canvas? (see context_probe)")
     p.add_argument("--preset", default="demo", help="train.py preset of every run (and of the probe's flags)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
-    p.add_argument("--study-seeds", type=int, default=3, help="seeds per main arm")
-    p.add_argument("--study-out", default="runs/study", help="the study's folder")
+    p.add_argument("--study-out", default="runs/study", help="the study's folder (one per base and preset)")
+    p.add_argument("--study-seeds", type=int, default=0, help="seeds per arm (0: the table's)")
+    p.add_argument("--study-steps", type=int, default=0, help="GRPO steps per run (0: the table's)")
+    p.add_argument("--study-lr", default=None, help=f"learning rate of the main and components tables (default {STUDY_LR})")
     p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
-    p.add_argument("--study-steps", type=int, default=25, help="GRPO steps per study run")
-    p.add_argument("--study-arms", default="all", choices=["all", "main"], help="main: the four main arms only")
+    p.add_argument("--report-only", action="store_true", help="with --study: only aggregate the finished runs")
     opts, rest = p.parse_known_args(argv)
-    if opts.study == (opts.context_probe is not None):
-        p.error("give exactly one of --study and --context-probe BASE")
+    if (opts.study is None) == (opts.context_probe is None):
+        p.error("give exactly one of --study TABLE and --context-probe BASE")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.study:
-        return study(opts, rest)
+        return {name: study_report(opts, name) for name in opts.study} if opts.report_only else study(opts, rest)
     args = train.parse_args(["--preset", opts.preset] + rest)
     return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
 

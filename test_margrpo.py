@@ -1082,3 +1082,28 @@ def test_linear_probe_separates_an_oracle_from_noise(smoke_base, monkeypatch):
     monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: torch.randn(real(tokens, mask, cond).shape, generator=g))
     accuracy, base_rate = study.linear_probe(model, mar.PixelCodec(), 0.5, n_images=32)
     assert abs(accuracy - base_rate) < 0.08
+
+
+def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
+    """study.py --study hack at toy size: a base is pretrained (the smoke preset ships none), each
+    arm trains on the proxy with the verifier logged beside it, its last checkpoint and the base are
+    evaluated, and the report holds one row per arm; a second call starts no process."""
+    import bench
+    import study
+    out = tmp_path / "study"
+    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
+    summary = study.main(argv)["hack"]
+    assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
+    for stats in summary.values():
+        assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
+        assert 0 <= stats["train_acc@2"][0] <= 1 and stats["grad_norm_max"][0] >= stats["grad_norm_mean"][0] > 0
+    rows = [json.loads(line) for line in open(out / "hack" / "mar-grpo" / "seed0" / "metrics.jsonl")]
+    assert len(rows) == 2 and {"reward/shapes_coverage", "reward/shapes"} <= set(rows[0])
+    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward/shapes_coverage"])  # trained on the proxy
+    for name in ("hack.md", "hack.png", "hack_samples.png", "base/eval_train_0/summary.json"):
+        assert (out / name).exists(), name
+    capsys.readouterr()
+    again = bench.main(argv)["hack"]  # bench.py hands --study to study.py
+    assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
+    with pytest.raises(SystemExit):
+        study.main(["--study", "nope"])

@@ -33,6 +33,12 @@ _PALETTE = np.array([(0, 0, 0), *COLORS.values()], dtype=np.float32) / 255  # (1
 _COLOR_NAMES = list(COLORS)
 
 
+def nearest_colour(images):
+    """(..., 3) float in [0, 1] -> (...) index of the nearest of black (0) and COLORS (1..K)."""
+    dist = (_PALETTE ** 2).sum(-1) - 2 * images @ _PALETTE.T  # argmin |x - p|^2 = argmin (|p|^2 - 2 x.p)
+    return dist.argmin(-1)
+
+
 def detect_objects(images):
     """Find the objects in a batch of images.
 
@@ -40,9 +46,7 @@ def detect_objects(images):
     "area", "extent", "x", "y"} (x, y: pixel centroid, y down), specks removed (module docstring).
     """
     B, H, W, _ = images.shape  # batch, height, width, RGB
-    # Nearest palette entry: argmin |x - p|^2 = argmin (|p|^2 - 2 x.p).
-    dist = (_PALETTE ** 2).sum(-1) - 2 * images @ _PALETTE.T  # (B, H, W, 1 + K)
-    classes = dist.argmin(-1)  # (B, H, W), 0 = background
+    classes = nearest_colour(images)  # (B, H, W), 0 = background
     onehot = classes[None] == np.arange(1, len(_PALETTE))[:, None, None, None]  # (K, B, H, W)
     structure = np.zeros((3, 3, 3, 3), dtype=bool)
     structure[1, 1] = True  # 8-connected within an image's colour plane, never across planes
