@@ -4,8 +4,8 @@ experiments that run train.py many times or look inside a base model, not perfor
 
     python study.py --study sweep         # the learning rate: grpo-fixed-head at SWEEP_LRS
     python study.py --study main          # MAIN_ARMS × 3 seeds, 150 steps, evaluated at 50/100/150
-    python study.py --study hack          # 3 arms trained on a hackable proxy (HACK_REWARD), 150 steps
-    python study.py --study components    # COMPONENT_ARMS, one seed, 100 steps
+    python study.py --study hack          # 3 arms trained on a hackable proxy (HACK_REWARD), 100 steps
+    python study.py --study components    # COMPONENT_ARMS, one seed, 50 steps (against main's step 50)
         [--study-out runs/study] [--study-lr 1e-4] [--study-seeds N] [--study-steps N] [--report-only]
         [--study-train-flags "..."] [train.py flags for every run]
     python study.py --context-probe bases/demo.pt    # does a base model use its canvas?
@@ -72,9 +72,9 @@ TABLES = {
     "sweep": dict(arms={f"grpo-fixed-head lr{lr}": ["--method", "grpo-fixed-head", "--lr", lr] for lr in SWEEP_LRS},
                   seeds=1, steps=60, evals=(), lr=None, reward=None),
     "main": dict(arms=MAIN_ARMS, seeds=3, steps=150, evals=(50, 100, 150), lr=STUDY_LR, reward=None),
-    "hack": dict(arms={k: MAIN_ARMS[k] for k in ("grpo", "grpo-fixed-head", "mar-grpo")}, seeds=1, steps=150,
-                 evals=(50, 100, 150), lr=HACK_LR, reward=HACK_REWARD),
-    "components": dict(arms=COMPONENT_ARMS, seeds=1, steps=100, evals=(50, 100), lr=STUDY_LR, reward=None),
+    "hack": dict(arms={k: MAIN_ARMS[k] for k in ("grpo", "grpo-fixed-head", "mar-grpo")}, seeds=1, steps=100,
+                 evals=(50, 100), lr=HACK_LR, reward=HACK_REWARD),
+    "components": dict(arms=COMPONENT_ARMS, seeds=1, steps=50, evals=(50,), lr=STUDY_LR, reward=None),
 }
 
 
@@ -183,10 +183,13 @@ def _tables(text):
 
 
 def _table(opts, name):
-    """Table `name`'s spec, with --study-seeds / --study-steps / --study-lr (tables on STUDY_LR) applied."""
+    """Table `name`'s spec, with --study-arms / --study-seeds / --study-steps / --study-lr (tables on STUDY_LR) applied."""
     spec = dict(TABLES[name])
     spec["seeds"] = opts.study_seeds or spec["seeds"]
     spec["steps"] = opts.study_steps or spec["steps"]
+    if opts.study_arms:  # folder names (_slug) of the arms to keep
+        keep = opts.study_arms.split(",")
+        spec["arms"] = {arm: flags for arm, flags in spec["arms"].items() if _slug(arm) in keep}
     if spec["lr"] == STUDY_LR and opts.study_lr:
         spec["lr"] = opts.study_lr
     spec["evals"] = tuple(k for k in spec["evals"] if k <= spec["steps"]) or (() if not spec["evals"] else (spec["steps"],))
@@ -358,6 +361,11 @@ def study_report(opts, name):
              f"reward {spec['reward'] or 'shapes'}; mean ± std over seeds (n in the second column)."]
     if base:
         lines.append(f"Base (no RL): study prompts accuracy {base['train_acc']:.3f}, held out {base['heldout_acc']:.3f}.")
+    lines.append("Columns: training reward (of the rollouts; under a proxy, the proxy) over the first and last 10 "
+                 "steps; verifier score of the rollouts, same steps (proxy runs); verifier accuracy on the study "
+                 "prompts × 24 images and on the held-out prompts at checkpoint @k; gradient norm before clipping: "
+                 "mean, std/mean, max over steps; KL to the base and within-group diversity, last 10 steps; "
+                 "seconds per step (two runs share the 2 cores).")
     lines += ["", "| arm | n | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for arm, stats in summary.items():
         cells = [f"{stats[c][0]:.3g} ± {stats[c][1]:.2g}" if stats[c][2] > 1 else f"{stats[c][0]:.3g}" for c in cols]
@@ -383,7 +391,8 @@ def study_report(opts, name):
             ks = [0, *spec["evals"]]
             acc = np.array([[base.get("train_acc", np.nan), *[r[f"train_acc@{k}"] for k in spec["evals"]]]
                             for r in records[arm]])
-            axes[-1].errorbar(ks, acc.mean(0), yerr=acc.std(0) if len(acc) > 1 else None, marker="o", capsize=3)
+            axes[-1].errorbar(ks, acc.mean(0), yerr=acc.std(0) if len(acc) > 1 else None, marker="o", capsize=3,
+                              color=line.get_color())
     if spec["evals"]:
         axes[-1].set(xlabel="GRPO step (0 = base)", ylabel="verifier accuracy, study prompts × 24")
     axes[0].legend(fontsize=7)
@@ -408,6 +417,7 @@ def main(argv=None):
     p.add_argument("--study-seeds", type=int, default=0, help="seeds per arm (0: the table's)")
     p.add_argument("--study-steps", type=int, default=0, help="GRPO steps per run (0: the table's)")
     p.add_argument("--study-lr", default=None, help=f"learning rate of the main and components tables (default {STUDY_LR})")
+    p.add_argument("--study-arms", default="", help="only these arms, by folder name (e.g. grpo-fixed-head,mar-grpo)")
     p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
     p.add_argument("--report-only", action="store_true", help="with --study: only aggregate the finished runs")
     opts, rest = p.parse_known_args(argv)
