@@ -345,7 +345,10 @@ class ShapesCoverageReward(Reward):
         names = list(self.shapes.COLORS)
         scores = []
         for b, (prompt, meta) in enumerate(zip(prompts, metadata)):
-            meta = meta if meta and "objects" in meta else self.shapes.parse_prompt(prompt)
+            try:
+                meta = meta if meta and "objects" in meta else self.shapes.parse_prompt(prompt)
+            except ValueError as e:
+                raise ValueError(f"shapes_coverage reward: '{prompt}' is not a shapes prompt ({e})") from None
             asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
             scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
         return torch.tensor(scores, dtype=torch.float32), {}

@@ -451,6 +451,8 @@ def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_fo
     proxy, _ = rewards.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
     truth, _ = rewards.build_reward("shapes")(both, ["a red square"] * 2, None)
     assert proxy[1] == 15 / 16 > proxy[0] > 0 and truth[0] == 1.0 and truth[1] < 0.5
+    with pytest.raises(ValueError, match="shapes_coverage reward: 'a photo of a cat' is not a shapes prompt"):
+        rewards.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
