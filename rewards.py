@@ -305,7 +305,8 @@ class ShapesReward(Reward):
         import verifier
         self.shapes, self.verifier = shapes, verifier
 
-    def score(self, images, prompts, metadata):
+    def metas(self, prompts, metadata):
+        """The shapes metas of a batch: metadata[i] when it is one, else parsed from prompts[i]."""
         metas = []
         for prompt, meta in zip(prompts, metadata):
             if meta and "objects" in meta:  # a shapes meta dict (shapes.sample_prompts / parse_prompt)
@@ -314,12 +315,15 @@ class ShapesReward(Reward):
             try:
                 metas.append(self.shapes.parse_prompt(prompt))
             except ValueError as e:
-                raise ValueError(f"shapes reward: '{prompt}' is not a shapes prompt ({e})") from None
-        scores, details = self.verifier.verify_batch(images.cpu(), metas)
+                raise ValueError(f"{self.name} reward: '{prompt}' is not a shapes prompt ({e})") from None
+        return metas
+
+    def score(self, images, prompts, metadata):
+        scores, details = self.verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
         return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
 
 
-class ShapesCoverageReward(Reward):
+class ShapesCoverageReward(ShapesReward):
     """A deliberately hackable proxy of the shapes world, for the reward-hacking study (docs/study.md):
     the mean, over the colours the prompt asks for, of the fraction of pixels of that colour,
 
@@ -331,24 +335,11 @@ class ShapesCoverageReward(Reward):
 
     name = "shapes_coverage"
 
-    def __init__(self, device="cpu"):
-        import shapes
-        import verifier
-        self.shapes, self.verifier = shapes, verifier
-
     def score(self, images, prompts, metadata):
-        images = torch.as_tensor(np.asarray(images.cpu() if torch.is_tensor(images) else images))
-        if images.dtype == torch.uint8:
-            images = images.float() / 255
-        pixels = images.float().clamp(0, 1).permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
-        classes = self.verifier.nearest_colour(pixels)  # (B, H, W), 0 = black, k = the k-th colour
-        names = list(self.shapes.COLORS)
+        classes = self.verifier.nearest_colour(images.cpu().permute(0, 2, 3, 1).numpy())  # (B, H, W), 0 = black
+        names = list(self.shapes.COLORS)  # colour k is class k + 1
         scores = []
-        for b, (prompt, meta) in enumerate(zip(prompts, metadata)):
-            try:
-                meta = meta if meta and "objects" in meta else self.shapes.parse_prompt(prompt)
-            except ValueError as e:
-                raise ValueError(f"shapes_coverage reward: '{prompt}' is not a shapes prompt ({e})") from None
+        for b, meta in enumerate(self.metas(prompts, metadata)):
             asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
             scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
         return torch.tensor(scores, dtype=torch.float32), {}

@@ -290,7 +290,6 @@ def run_record(out, steps, evals):
         rec.update(zip(("verifier_first", "verifier_last"), _ends([r["reward/shapes"] for r in rows])))
     for k, (held, trn) in ev.items():
         rec[f"train_acc@{k}"], rec[f"heldout_acc@{k}"] = trn["accuracy"], held["accuracy"]
-        rec[f"train_score@{k}"] = trn["reward_mean"]  # the verifier's mean score (evaluations use the preset's reward)
     rec.update(grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
                grad_norm_max=float(grad.max()), kl_last=_ends([r["kl"] for r in rows])[1],
                diversity_last=_ends([r["diversity"] for r in rows])[1],
@@ -348,7 +347,7 @@ def study_report(opts, name):
     base = {}
     try:
         held, trn = (json.load(open(os.path.join(root, "base", n, "summary.json"))) for n in ("eval_0", "eval_train_0"))
-        base = {"train_acc": trn["accuracy"], "heldout_acc": held["accuracy"], "train_score": trn["reward_mean"]}
+        base = {"train_acc": trn["accuracy"], "heldout_acc": held["accuracy"]}
     except (OSError, ValueError):
         pass
     summary = {arm: {k: (float(np.mean([r[k] for r in recs])), float(np.std([r[k] for r in recs])), len(recs))
@@ -356,7 +355,7 @@ def study_report(opts, name):
     with open(os.path.join(root, f"{name}.json"), "w") as f:
         json.dump({"table": name, "spec": {k: v for k, v in spec.items() if k != "arms"}, "base": base,
                    "arms": summary}, f, indent=1)
-    cols = [c for c in next(iter(summary.values()), {}) if c not in ("train_score@" + str(k) for k in spec["evals"])]
+    cols = list(next(iter(summary.values()), {}))
     lines = [f"`python study.py --study {name}`: {spec['steps']} steps, lr {spec['lr'] or 'per arm'}, "
              f"reward {spec['reward'] or 'shapes'}; mean ± std over seeds (n in the second column)."]
     if base:
