@@ -9,6 +9,7 @@ experiments that run train.py many times or look inside a base model, not perfor
         [--study-out runs/study] [--study-lr 1e-4] [--study-seeds N] [--study-steps N] [--report-only]
         [--study-train-flags "..."] [train.py flags for every run]
     python study.py --context-probe bases/demo.pt    # does a base model use its canvas?
+    python study.py --noise-probe bases/demo.pt      # where does a rollout's randomness decide the image?
 
 A table: GRPO runs from the preset's base (the demo's shipped bases/demo.pt; a preset without one
 pretrains a base into --study-out) on the four STUDY_PROMPTS, each run's checkpoints at the table's
@@ -35,8 +36,10 @@ import torch.nn.functional as F
 import evaluate
 import mar
 import models
+import rollout
 import shapes
 import train
+import verifier
 from prompts import Prompts
 
 # The study (docs/study.md): GRPO from the demo's shipped base on four fixed training prompts, one
@@ -149,6 +152,98 @@ def linear_probe(model, codec, known_frac=0.9, n_images=256, seed=0):
     with torch.no_grad():
         accuracy = ((((x_test - mu) / sd @ w + b) > 0).float() == y_test).float().mean().item()
     return accuracy, max(y_test.mean().item(), 1 - y_test.mean().item())
+
+
+def _token_colours(tokens, patch_size):
+    """(N, 3·p²) pixel tokens in [-1, 1] (channel-major, as MAR.patchify) -> (N, p²) palette index
+    of each pixel (verifier.nearest_colour: 0 = black)."""
+    pixels = ((tokens.reshape(len(tokens), 3, patch_size ** 2).transpose(1, 2) + 1) / 2).clamp(0, 1)  # (N, p², 3)
+    return torch.as_tensor(verifier.nearest_colour(pixels.numpy()))
+
+
+def _replay_head(head, z, cfg, temperature, x_T, noise):
+    """The head's ancestral sampler (diffloss.DiffLoss.sample) with given noise: x_T (N, C) and
+    noise[k] (N, C) for each noisy step k = T−1 … 1; z (2N, D) = [cond; null] and cfg (N,), or z (N, D)."""
+    x = x_T
+    for k in range(head.num_sampling_steps - 1, -1, -1):
+        mean, log_variance, _ = head.p_mean_variance(x, k, z, cfg)
+        x = mean if k == 0 else mean + temperature * torch.exp(0.5 * log_variance) * noise[k]
+    return x
+
+
+@torch.no_grad()
+def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, n_prompts=16, group=12, seed=0):
+    """Where does a rollout's randomness decide the image? A rollout has two sources: the random
+    generation order (not an action of the policy: no log-probability is taken of it) and the
+    head's noise (the actions whose log-probabilities the policy gradient uses). For `n_prompts`
+    training-split prompts × `group` images (a GRPO group each):
+      - reward variance within a group with every image's order drawn afresh, and with one order
+        shared by the group (then only the head's noise differs): their ratio is the share of the
+        reward's variance that the policy's actions carry;
+      - for each token, z as the rollout generated it; the head is run again from z with the
+        same noise except at one diffusion step k (or at every step): how often the token's
+        colour (any pixel's nearest palette colour) changes, per k, and per AR step of the token.
+    Returns {"reward_var_free_order", "reward_var_fixed_order", "share_of_head_noise",
+    "flip_at_step": {k: fraction}, "flip_all": fraction, "flip_by_ar_step": [fraction per AR step]}."""
+    model.eval()
+    items = [m for m in shapes.sample_prompts(n_prompts, np.random.default_rng([seed, 21])) for _ in range(group)]
+    inputs = Prompts("shapes").condition(items, "cpu")
+    B, L = len(items), model.seq_len
+    free = model.sample_orders(B, torch.Generator().manual_seed(seed))  # (B, L)
+    fixed = free[::group].repeat_interleave(group, 0)  # (B, L): one order per group
+
+    def rewards(orders):  # (n_prompts, group) rewards of one rollout with these orders
+        tokens, record = rollout.record_rollout(model, inputs, num_iter, cfg, "linear", temperature,
+                                                generator=torch.Generator().manual_seed(seed + 1), orders=orders)
+        images = codec.decode(model.unpatchify(tokens).float())
+        return reward_fn(images, [m["prompt"] for m in items], items)[0].reshape(n_prompts, group), record
+
+    r_fixed, _ = rewards(fixed)
+    r_free, record = rewards(free)
+    var_free, var_fixed = r_free.var(1).mean().item(), r_fixed.var(1).mean().item()
+    res = dict(reward_var_free_order=var_free, reward_var_fixed_order=var_fixed,
+               share_of_head_noise=var_fixed / max(var_free, 1e-12))
+
+    # the head's decisions: replay each token's sampling from the z it was generated from
+    head, p = model.diffloss, model.patch_size
+    D, C = record.z_final.shape[-1], model.token_embed_dim
+    z = record.z_final.reshape(B * L, D)  # (BL, D)
+    if record.z_final_null is not None:  # with guidance: (2BL, D) = [cond; null]
+        z = torch.cat([z, record.z_final_null.reshape(B * L, D)])
+    w = record.cfg_final.reshape(B * L)  # (BL,)
+    g = torch.Generator().manual_seed(seed + 2)
+    draw = lambda: torch.randn(B * L, C, generator=g)  # noqa: E731
+    x_T, noise = draw(), {k: draw() for k in range(1, head.num_sampling_steps)}
+    ref = _token_colours(_replay_head(head, z, w, temperature, x_T, noise), p)  # (BL, p²)
+    res["flip_at_step"] = {}
+    for k in sorted(noise, reverse=True):
+        changed = _token_colours(_replay_head(head, z, w, temperature, x_T, {**noise, k: draw()}), p)
+        res["flip_at_step"][k] = (changed != ref).any(1).float().mean().item()
+    flips = (_token_colours(_replay_head(head, z, w, temperature, draw(), {k: draw() for k in noise}), p)
+             != ref).any(1).float().reshape(B, L)  # (B, L)
+    res["flip_all"] = flips.mean().item()
+    counts = model.ar_schedule(num_iter, L)
+    ar_step = torch.repeat_interleave(torch.arange(len(counts)), torch.as_tensor(counts))  # (L,) step of the j-th generated
+    step_of = torch.empty(B, L, dtype=torch.long).scatter_(1, record.orders, ar_step.expand(B, L))  # (B, L)
+    res["flip_by_ar_step"] = [flips[step_of == i].mean().item() for i in range(len(counts))]
+    return res
+
+
+def run_noise_probe(path, args, out):
+    model = models.load_policy(args, path)
+    if model.config["vae_stride"] != 1 or model.config.get("text_vocab_size", 0) == 0:
+        raise SystemExit(f"--noise-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
+    import rewards
+    res = noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"),
+                      args.num_iter, args.cfg, args.temperature)
+    out(f"noise probe of {path} (CFG {args.cfg:g}, τ {args.temperature:g}, {args.num_iter} AR steps)")
+    out(f"  reward variance within a group: orders drawn per image {res['reward_var_free_order']:.4f}, one order per "
+        f"group {res['reward_var_fixed_order']:.4f}: the head's noise carries {res['share_of_head_noise']:.0%} of it")
+    out("  a token's colour changes when the head's noise is redrawn at one diffusion step k (other noise kept):")
+    out("    " + "  ".join(f"k={k}: {v:.1%}" for k, v in res["flip_at_step"].items()))
+    out(f"  ... at every step: {res['flip_all']:.1%}; by the token's AR step: "
+        + " ".join(f"{v:.0%}" for v in res["flip_by_ar_step"]))
+    return res
 
 
 def run_context_probe(path, args, out):
@@ -404,12 +499,14 @@ def study_report(opts, name):
 
 
 def main(argv=None):
-    """`python study.py ...`: the study (returns its summary) or the context probe (its figures)."""
+    """`python study.py ...`: the study (returns its summary) or a probe (its figures)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", default=None, type=_tables, metavar="TABLE[,TABLE]",
                    help=f"run tables of the study in one queue: {', '.join(TABLES)} (see study())")
     p.add_argument("--context-probe", default=None, metavar="BASE",
                    help="does this pixel-token base model (base.pt) use the canvas? (see context_probe)")
+    p.add_argument("--noise-probe", default=None, metavar="BASE",
+                   help="which of a rollout's random draws decide its image and reward? (see noise_probe)")
     p.add_argument("--preset", default="demo", help="train.py preset of every run (and of the probe's flags)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the probe (0: default)")
     p.add_argument("--study-out", default="runs/study", help="the study's folder (one per base and preset)")
@@ -420,13 +517,15 @@ def main(argv=None):
     p.add_argument("--study-train-flags", default="", help="extra train.py flags for the GRPO runs only")
     p.add_argument("--report-only", action="store_true", help="with --study: only aggregate the finished runs")
     opts, rest = p.parse_known_args(argv)
-    if (opts.study is None) == (opts.context_probe is None):
-        p.error("give exactly one of --study TABLE and --context-probe BASE")
+    if sum(x is not None for x in (opts.study, opts.context_probe, opts.noise_probe)) != 1:
+        p.error("give exactly one of --study TABLE, --context-probe BASE and --noise-probe BASE")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.study:
         return {name: study_report(opts, name) for name in opts.study} if opts.report_only else study(opts, rest)
     args = train.parse_args(["--preset", opts.preset] + rest)
+    if opts.noise_probe:
+        return run_noise_probe(opts.noise_probe, args, lambda s: print(s, flush=True))
     return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
 
 

@@ -1107,3 +1107,28 @@ def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path
     assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
     with pytest.raises(SystemExit):
         study.main(["--study", "nope"])
+
+
+def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
+    """study.noise_probe: with a head of σ = 1 whose mean is 0 but at the last step (where it
+    returns x_t), a token is step 1's noise, so redrawing any other step's noise changes no token and
+    redrawing step 1's changes most; with a head that ignores its noise (tokens a function of z),
+    the images of a group that shares one order are identical: within-group reward variance 0."""
+    import rewards
+    import study
+    model = models.load_checkpoint(smoke_base)
+    head = model.diffloss
+    last_noise = lambda x, t, z, cfg=1.0: (x if int(t) == 0 else 0 * x, 0 * x, x)  # noqa: E731  (mean, log σ², x̂0)
+    monkeypatch.setattr(head, "p_mean_variance", last_noise)
+    res = study.noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
+                            n_prompts=3, group=2)
+    assert set(res["flip_at_step"]) == set(range(1, head.num_sampling_steps))
+    assert all(res["flip_at_step"][k] == 0 for k in res["flip_at_step"] if k > 1)
+    assert res["flip_at_step"][1] > 0.5 and res["flip_all"] > 0.5 and len(res["flip_by_ar_step"]) == 4
+    monkeypatch.undo()
+    C = model.token_embed_dim
+    monkeypatch.setattr(head, "sample", lambda z, temperature=1.0, cfg=1.0, generator=None, record_steps=None:
+                        torch.tanh(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(-3, 3, C)))
+    res = study.noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
+                            n_prompts=3, group=2)
+    assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0

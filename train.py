@@ -69,10 +69,11 @@ DEMO_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd
 PRESETS = {
     # python train.py: a small MAR with a local prior (mar.py item 4: without it the base does not read
     # its canvas) on 16×16 shapes images of 64 two-pixel tokens (with 4-pixel tokens at 32 px it
-    # draws no shapes), from the shipped base; 16 AR steps; MAR-GRPO with MTE only on the tokens written
-    # at the trained step and without the last noisy diffusion step (measured: docs/research_log.md)
+    # draws no shapes), from the shipped base; 16 AR steps; MAR-GRPO as released (MTE on the uncertain
+    # unknown tokens: docs/study.md found it better than MTE on P_i on this base), without the last
+    # noisy diffusion step (its tiny σ dominates a gradient: docs/research_log.md)
     "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
-                 mte_positions="predicted", min_diff_step=2, lr=1e-5, cfg=6.0),
+                 min_diff_step=2, lr=1e-5, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
