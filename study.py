@@ -181,7 +181,7 @@ def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, 
         shared by the group (then only the head's noise differs): their ratio is the share of the
         reward's variance that the policy's actions carry;
       - for each token, z as the rollout generated it; the head is run again from z with the
-        same noise except at one diffusion step k (or at every step): how often the token's
+        same noise except at one diffusion step k (or all of it, x^T too): how often the token's
         colour (any pixel's nearest palette colour) changes, per k, and per AR step of the token.
     Returns {"reward_var_free_order", "reward_var_fixed_order", "share_of_head_noise",
     "flip_at_step": {k: fraction}, "flip_all": fraction, "flip_by_ar_step": [fraction per AR step]}."""

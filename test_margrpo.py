@@ -1113,7 +1113,8 @@ def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
     """study.noise_probe: with a head of σ = 1 whose mean is 0 but at the last step (where it
     returns x_t), a token is step 1's noise, so redrawing any other step's noise changes no token and
     redrawing step 1's changes most; with a head that ignores its noise (tokens a function of z),
-    the images of a group that shares one order are identical: within-group reward variance 0."""
+    the images of a group that shares one order are identical (within-group reward variance 0), and
+    those of a group with an order per image are not."""
     import rewards
     import study
     model = models.load_checkpoint(smoke_base)
@@ -1128,7 +1129,8 @@ def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
     monkeypatch.undo()
     C = model.token_embed_dim
     monkeypatch.setattr(head, "sample", lambda z, temperature=1.0, cfg=1.0, generator=None, record_steps=None:
-                        torch.tanh(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(-3, 3, C)))
-    res = study.noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
-                            n_prompts=3, group=2)
+                        torch.sin(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(0.01, 1, C)))
+    brightness = lambda images, texts, metas: (images.mean(dim=(1, 2, 3)), {})  # noqa: E731  differs with the order
+    res = study.noise_probe(model, mar.PixelCodec(), brightness, num_iter=4, cfg=3.0, n_prompts=3, group=2)
+    assert res["reward_var_free_order"] > 0
     assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0
