@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import evaluate
 import mar
 import models
+import rewards
 import rollout
 import shapes
 import train
@@ -187,19 +188,20 @@ def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, 
     "flip_at_step": {k: fraction}, "flip_all": fraction, "flip_by_ar_step": [fraction per AR step]}."""
     model.eval()
     items = [m for m in shapes.sample_prompts(n_prompts, np.random.default_rng([seed, 21])) for _ in range(group)]
-    inputs = Prompts("shapes").condition(items, "cpu")
+    prompts = Prompts("shapes")
+    inputs, texts = prompts.condition(items, "cpu"), prompts.texts(items)
     B, L = len(items), model.seq_len
     free = model.sample_orders(B, torch.Generator().manual_seed(seed))  # (B, L)
     fixed = free[::group].repeat_interleave(group, 0)  # (B, L): one order per group
 
-    def rewards(orders):  # (n_prompts, group) rewards of one rollout with these orders
+    def group_rewards(orders):  # (n_prompts, group) rewards of one rollout with these orders
         tokens, record = rollout.record_rollout(model, inputs, num_iter, cfg, "linear", temperature,
                                                 generator=torch.Generator().manual_seed(seed + 1), orders=orders)
         images = codec.decode(model.unpatchify(tokens).float())
-        return reward_fn(images, [m["prompt"] for m in items], items)[0].reshape(n_prompts, group), record
+        return reward_fn(images, texts, items)[0].reshape(n_prompts, group), record
 
-    r_fixed, _ = rewards(fixed)
-    r_free, record = rewards(free)
+    r_fixed, _ = group_rewards(fixed)
+    r_free, record = group_rewards(free)
     var_free, var_fixed = r_free.var(1).mean().item(), r_fixed.var(1).mean().item()
     res = dict(reward_var_free_order=var_free, reward_var_fixed_order=var_fixed,
                share_of_head_noise=var_fixed / max(var_free, 1e-12))
@@ -229,11 +231,17 @@ def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, 
     return res
 
 
-def run_noise_probe(path, args, out):
+def _load_pixel_base(path, args, flag):
+    """The base a probe looks into: train.py's small model (pixel tokens, prompt-conditioned), or exit
+    naming the flag."""
     model = models.load_policy(args, path)
     if model.config["vae_stride"] != 1 or model.config.get("text_vocab_size", 0) == 0:
-        raise SystemExit(f"--noise-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
-    import rewards
+        raise SystemExit(f"{flag} {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
+    return model
+
+
+def run_noise_probe(path, args, out):
+    model = _load_pixel_base(path, args, "--noise-probe")
     res = noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"),
                       args.num_iter, args.cfg, args.temperature)
     out(f"noise probe of {path} (CFG {args.cfg:g}, τ {args.temperature:g}, {args.num_iter} AR steps)")
@@ -247,9 +255,7 @@ def run_noise_probe(path, args, out):
 
 
 def run_context_probe(path, args, out):
-    model = models.load_policy(args, path)
-    if model.config["vae_stride"] != 1 or model.config.get("text_vocab_size", 0) == 0:
-        raise SystemExit(f"--context-probe {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
+    model = _load_pixel_base(path, args, "--context-probe")
     res = context_probe(model, mar.PixelCodec(), temperature=args.temperature)
     out(f"context probe of {path}: {res['n_images']} training-split images, {res['coloured_frac']:.1%} of tokens coloured")
     out("  known fraction | diffusion loss, coloured / black unknown tokens | colour error of sampled unknown tokens")
