@@ -122,7 +122,7 @@ def summarize(rows):
 
 def print_report(out, report):
     """The before/after table of `python train.py`'s last stage."""
-    titles = {"": "held-out prompts (never seen in pretraining or RL)", "_train": "training prompts, fresh seeds"}
+    titles = {"": "held-out prompts (never seen in pretraining or RL)", "_train": "training-split prompts, fresh seeds"}
     for suffix, title in titles.items():
         before, after = report.get("base" + suffix), report.get("tuned" + suffix)
         if before is None:

@@ -548,7 +548,8 @@ def main(argv=None):
     if args.stage == "all" and args.eval_prompts > 0:
         # --- evaluation of the base and the tuned model on the same prompts and seeds: held-out
         # compositions (eval/base, eval/tuned) and, for shapes prompts, the training split too
-        # (eval/base_train, eval/tuned_train: the prompts RL saw, with fresh seeds)
+        # (eval/base_train, eval/tuned_train: prompts of the split RL draws from, with fresh seeds; a
+        # short run draws few of these very prompts: 40 steps × 8 of the split's 452)
         tuned = models.prepare_copy(args, models.load_policy(args, final), base).to(ctx.device)
         splits = ["heldout", "train"] if args.prompts is None and prompts.is_shapes else ["heldout"]
         report = {}
