@@ -891,7 +891,7 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     assert max(r["logp_parity_err"] for r in rows) < 1e-4
     line = json.loads((out / "eval/tuned/results.jsonl").read_text().splitlines()[0])
     assert {"prompt", "file", "reward", "details"} <= line.keys() and (out / "eval/tuned" / line["file"]).exists()
-    assert "held-out prompts" in res.stdout and "training prompts" in res.stdout and "accuracy" in res.stdout
+    assert "held-out prompts" in res.stdout and "training-split prompts" in res.stdout and "accuracy" in res.stdout
     summary = json.loads((out / "eval/summary.json").read_text())
     assert set(summary) == {"base", "tuned", "base_train", "tuned_train"} and summary["base"]["n"] == 4
     ckpt = torch.load(out / "ckpt/latest.pt", weights_only=True)  # plain dicts only
