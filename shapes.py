@@ -283,7 +283,8 @@ def render(meta, size=32, rng=None, cell=0):
     meta: metadata dict (see module docstring); size: canvas side in pixels (>= 16); rng:
     numpy.random.Generator deciding object sizes and positions (same state -> same image);
     cell: 0 for free sizes and positions, or a cell size in pixels to align every object to a
-    grid of cells (`_cell_layout`; the demo aligns them to its 8-px tokens).
+    grid of cells (`_cell_layout`; `train.py --cell`, a pretraining option measured in
+    docs/research_log.md, "A world of token-aligned objects").
     """
     if rng is None:
         raise ValueError("render needs rng: a numpy.random.Generator")
