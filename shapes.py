@@ -242,7 +242,7 @@ def _layout(shapes, size, rng, relation):
         if len(boxes) < len(shapes):
             continue
         if relation is not None:
-            (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes, boxes))
+            (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes[:2], boxes[:2]))
             if not _relation_holds(ys - yr, xs - xr, relation, ratio=1.5, gap=1.0):
                 continue
         return boxes
@@ -271,20 +271,21 @@ def _cell_layout(shapes, size, rng, relation, cell):
         boxes = [(c // n * cell, c % n * cell, cell - 1) for c in cells]
         if relation is None:
             return boxes
-        (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes, boxes))
+        (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes[:2], boxes[:2]))
         if _relation_holds(ys - yr, xs - xr, relation, ratio=1.5, gap=1.0):
             return boxes
     raise ValueError(f"no {cell}-px cell layout of {shapes} satisfies {relation!r}")
 
 
-def render(meta, size=32, rng=None, cell=0):
+def render(meta, size=32, rng=None, cell=0, unmentioned=()):
     """Draw a prompt: (size, size, 3) uint8 RGB, black background.
 
     meta: metadata dict (see module docstring); size: canvas side in pixels (>= 16); rng:
     numpy.random.Generator deciding object sizes and positions (same state -> same image);
     cell: 0 for free sizes and positions, or a cell size in pixels to align every object to a
     grid of cells (`_cell_layout`; `train.py --cell`, a pretraining option measured in
-    docs/research_log.md, "A world of token-aligned objects").
+    docs/research_log.md, "A world of token-aligned objects"); unmentioned: (colour, shape) pairs
+    drawn besides the prompt's objects (an under-captioned image, `make_dataset`), placed after them.
     """
     if rng is None:
         raise ValueError("render needs rng: a numpy.random.Generator")
@@ -297,6 +298,7 @@ def render(meta, size=32, rng=None, cell=0):
         items += [(o["color"], o["shape"])] * int(o["count"])
     if meta.get("relation") is not None and len(items) != 2:
         raise ValueError(f"a spatial meta needs two single objects, got {meta['objects']!r}")
+    items += list(unmentioned)  # after the prompt's objects: a spatial prompt's pair stays first
     image = np.zeros((size, size, 3), dtype=np.uint8)  # (H, W, RGB)
     shapes_ = [s for _, s in items]
     boxes = _cell_layout(shapes_, size, rng, meta.get("relation"), cell) if cell else _layout(shapes_, size, rng, meta.get("relation"))
@@ -305,10 +307,30 @@ def render(meta, size=32, rng=None, cell=0):
     return image
 
 
-def make_dataset(n, size, rng, split="train", cell=0):
-    """n rendered prompts of a split: images (n, size, size, 3) uint8 and their metadata dicts."""
+def unmentioned_object(meta, size, rng, cell=0):
+    """One random (colour, shape) pair that `meta` does not request, or None where no object fits
+    beside the prompt's (a full cell grid, or four objects already on a free canvas)."""
+    drawn = sum(int(o["count"]) for o in meta["objects"])
+    room = (size // cell) ** 2 if cell else 4
+    if drawn >= room:
+        return None
+    requested = {(o["color"], o["shape"]) for o in meta["objects"]}
+    pairs = [p for p in itertools.product(COLORS, SHAPES) if p not in requested]
+    return pairs[rng.integers(len(pairs))]
+
+
+def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0):
+    """n rendered prompts of a split: images (n, size, size, 3) uint8 and their metadata dicts.
+
+    unmentioned: the probability that an image also shows one object its prompt does not mention
+    (`unmentioned_object`), as web images show more than their captions say; the verifier counts
+    such an object as an error, so a base pretrained on these data makes an error that RL can remove
+    (`train.py --unmentioned`; docs/research_log.md, "Under-captioned pretraining data"). At 0 the
+    images and the random stream are those of the clean world.
+    """
     metas = sample_prompts(n, rng, split)
     images = np.zeros((n, size, size, 3), dtype=np.uint8)  # (n, H, W, RGB)
     for i, meta in enumerate(metas):
-        images[i] = render(meta, size, rng, cell)
+        extra = unmentioned_object(meta, size, rng, cell) if unmentioned and rng.random() < unmentioned else None
+        images[i] = render(meta, size, rng, cell, unmentioned=[extra] if extra else ())
     return images, metas

@@ -8,9 +8,10 @@ experiments that run train.py many times or look inside a base model, not perfor
     python study.py --study components    # COMPONENT_ARMS, one seed, 50 steps (against main's step 50)
         [--study-out runs/study] [--study-lr 1e-4] [--study-seeds N] [--study-steps N] [--report-only]
         [--study-train-flags "..."] [train.py flags for every run]
-    python study.py --context-probe bases/demo.pt    # does a base model use its canvas?
+    python study.py --context-probe bases/demo.pt    # does a base model use its canvas? (in the preset's world)
     python study.py --noise-probe bases/demo.pt      # where does a rollout's randomness decide the image?
 
+docs/study.md ran with `--preset free16` (its base: bases/free16.pt).
 A table: GRPO runs from the preset's base (the demo's shipped bases/demo.pt; a preset without one
 pretrains a base into --study-out) on the four STUDY_PROMPTS, each run's checkpoints at the table's
 steps evaluated with fixed seeds on the stratified held-out prompts and on the study prompts × 24
@@ -88,17 +89,18 @@ def _coloured(tokens):
 
 
 @torch.no_grad()
-def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), temperature=0.5, seed=0):
+def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), temperature=0.5, seed=0, cell=0):
     """Does a pixel-token base model use the canvas? Rendered training-split images with a random
     fraction of their tokens known: the diffusion loss on the unknown tokens (split into tokens
     with some colour and all-black ones), and how often a token sampled there (no CFG) is coloured
     where the image is black or the reverse. A model that reads its neighbours gets better as more
-    of the canvas is known; one that has learnt only the prompt's marginal does not.
+    of the canvas is known; one that has learnt only the prompt's marginal does not. cell: the
+    base's world (shapes.render: 0 free objects, or objects aligned to cells of this many pixels).
 
     Returns {known_frac: {"loss_coloured", "loss_black", "colour_error"}}, "coloured_frac" and "n_images"."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng(seed), split="train")
+    imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng(seed), split="train", cell=cell)
     tokens = model.patchify(codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255))  # (B, L, C)
     B, L, C = tokens.shape
     flat = tokens.reshape(B * L, C)
@@ -121,14 +123,16 @@ def context_probe(model, codec, n_images=128, known_fracs=(0.0, 0.5, 0.9), tempe
     return res
 
 
-def linear_probe(model, codec, known_frac=0.9, n_images=256, seed=0):
+def linear_probe(model, codec, known_frac=0.9, n_images=256, seed=0, cell=0):
     """Does z at a hidden position know whether that token is coloured? A logistic regression from
     z (standardised) to "this token has colour", fitted on the hidden tokens of n_images rendered
     training-split images with `known_frac` of their tokens known, tested on the hidden tokens of
-    n_images others. Returns (test accuracy, the majority-class base rate of the test tokens)."""
+    n_images others (rendered in the world of `cell`, as context_probe). Returns (test accuracy, the
+    majority-class base rate of the test tokens)."""
     sets = []
     for part in (seed, seed + 1):  # fit, test
-        imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng([part, 13]), split="train")
+        imgs, metas = shapes.make_dataset(n_images, model.img_size, np.random.default_rng([part, 13]), split="train",
+                                          cell=cell)
         tokens = model.patchify(codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float() / 255))  # (B, L, C)
         B, L, _ = tokens.shape
         order = torch.argsort(torch.rand(B, L, generator=torch.Generator().manual_seed(part)), dim=1)
@@ -256,14 +260,15 @@ def run_noise_probe(path, args, out):
 
 def run_context_probe(path, args, out):
     model = _load_pixel_base(path, args, "--context-probe")
-    res = context_probe(model, mar.PixelCodec(), temperature=args.temperature)
-    out(f"context probe of {path}: {res['n_images']} training-split images, {res['coloured_frac']:.1%} of tokens coloured")
+    res = context_probe(model, mar.PixelCodec(), temperature=args.temperature, cell=args.cell)
+    out(f"context probe of {path}: {res['n_images']} training-split images" + (f" in {args.cell}-px cells" if args.cell else "")
+        + f", τ {args.temperature:g}, {res['coloured_frac']:.1%} of tokens coloured")
     out("  known fraction | diffusion loss, coloured / black unknown tokens | colour error of sampled unknown tokens")
     for frac, r in res.items():
         if isinstance(frac, float):
             out(f"  {frac:14.1f} | {r['loss_coloured']:.4f} / {r['loss_black']:.4f} | {r['colour_error']:.3f}")
     for frac in (0.5, 0.9):
-        res[f"linear_probe_{frac}"] = accuracy, base_rate = linear_probe(model, mar.PixelCodec(), frac)
+        res[f"linear_probe_{frac}"] = accuracy, base_rate = linear_probe(model, mar.PixelCodec(), frac, cell=args.cell)
         out(f"linear probe z -> coloured at the hidden tokens, {frac:.0%} known: accuracy {accuracy:.3f} "
             f"(base rate {base_rate:.3f})")
     return res

@@ -445,17 +445,20 @@ def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base
     assert sorted(os.listdir(out / "ckpt")) == ["latest.pt", "step_000040.pt", "step_000050.pt"]
 
 
-def test_shipped_demo_base_is_the_recorded_file_and_the_demo_model():
-    """python train.py starts from bases/demo.pt: the file is the one whose checksum train.py records,
-    it loads through --init's path (float16 weights into a float32 model), and it is the model the
-    demo preset describes; --init scratch and --stage pretrain pretrain instead."""
-    args = train.parse_args([])
-    assert args.init == train.DEMO_BASE
-    assert checkpoints.sha256(train.DEMO_BASE) == train.DEMO_BASE_SHA256
+@pytest.mark.parametrize("preset,path,sha", [("demo", "DEMO_BASE", "DEMO_BASE_SHA256"),
+                                             ("free16", "FREE16_BASE", "FREE16_BASE_SHA256")])
+def test_shipped_bases_are_the_recorded_files_and_their_presets_models(preset, path, sha):
+    """python train.py starts from bases/demo.pt (and --preset free16, docs/study.md's, from
+    bases/free16.pt): the file is the one whose checksum train.py records, it loads through --init's
+    path (float16 weights into a float32 model), and it is the model the preset describes; --init
+    scratch and --stage pretrain pretrain instead."""
+    args = train.parse_args(["--preset", preset])
+    assert args.init == getattr(train, path)
+    assert checkpoints.sha256(args.init) == getattr(train, sha)
     model = models.load_policy(args, args.init)
     want = dict(models.small_mar_config(args), num_sampling_steps=str(args.num_sampling_steps))
     assert {k: model.config[k] for k in want} == want
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert train.parse_args(["--init", "scratch"]).init is None
-    assert train.parse_args(["--stage", "pretrain"]).init is None
-    assert train.parse_args(["--stage", "pretrain", "--init", "x.pt"]).init == "x.pt"  # check_inputs rejects it
+    assert train.parse_args(["--preset", preset, "--init", "scratch"]).init is None
+    assert train.parse_args(["--preset", preset, "--stage", "pretrain"]).init is None
+    assert train.parse_args(["--preset", preset, "--stage", "pretrain", "--init", "x.pt"]).init == "x.pt"  # check_inputs rejects it

@@ -220,3 +220,26 @@ def test_cell_layout_aligns_objects_to_the_grid_and_verifies():
     assert cells.reshape(200, 16).sum(1).tolist() == counts  # one object per cell, each in its own
     with pytest.raises(ValueError, match="do not fit"):
         shapes.render(shapes.parse_prompt("four red squares"), size=16, rng=rng, cell=16)
+
+
+@pytest.mark.parametrize("size,cell", [(16, 8), (32, 0)])
+def test_unmentioned_objects_are_one_extra_object_the_verifier_counts(size, cell):
+    """make_dataset(..., unmentioned=1): every image with room shows its prompt exactly (every check
+    passes, the spatial relation included) plus one object of a pair the prompt does not request, so
+    the verifier finds one extra object and scores 1/2; an image without room (four objects) stays
+    exact. At 0 the images and metadata are the clean world's, draw for draw."""
+    images, metas = shapes.make_dataset(120, size, np.random.default_rng(5), split="all", cell=cell, unmentioned=1.0)
+    scores, details = verifier.verify_batch(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, metas)
+    full = np.array([sum(o["count"] for o in m["objects"]) == 4 for m in metas])
+    assert 0 < full.sum() < len(metas)
+    assert [d["extra_objects"] for d in details] == (~full).astype(int).tolist()
+    assert np.allclose(scores, np.where(full, 1.0, 0.5))
+    assert all(d["present"] and d["count"] and d["relation"] is not False for d in details)
+    clean = shapes.make_dataset(120, size, np.random.default_rng(5), split="all", cell=cell)
+    same = shapes.make_dataset(120, size, np.random.default_rng(5), split="all", cell=cell, unmentioned=0.0)
+    assert (clean[0] == same[0]).all() and clean[1] == same[1]
+    half = shapes.make_dataset(400, size, np.random.default_rng(6), split="train", cell=cell, unmentioned=0.5)
+    _, details = verifier.verify_batch(torch.from_numpy(half[0]).permute(0, 3, 1, 2).float() / 255, half[1])
+    room = [sum(o["count"] for o in m["objects"]) < 4 for m in half[1]]
+    extra = [d["extra_objects"] for d, r in zip(details, room) if r]
+    assert set(extra) == {0, 1} and 0.4 < np.mean(extra) < 0.6  # binomial sd 0.026 at ~370 images

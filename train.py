@@ -56,24 +56,42 @@ from prompts import read_prompt_file
 # -----------------------------------------------------------------------------
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
 
-# The demo's base, committed in float16 (3.5 MB): 8000 pretraining steps, then 8000 more from there
-# at half the learning rate on other data draws (66 min at --threads 1 beside other jobs):
-#     python train.py --stage pretrain --out runs/demo_base --threads 2                    (43 min here)
-#     python train.py --stage pretrain --out runs/demo_base2 --pretrain-from runs/demo_base/base.pt \
-#         --pretrain-lr 5e-4 --seed 1
-#     python checkpoints.py half runs/demo_base2/base.pt bases/demo.pt
-# `python train.py --init scratch` pretrains the first 8000 steps here instead of loading it.
+# The demo's base, committed in float16 (3.5 MB; `python checkpoints.py half runs/demo_base/base.pt
+# bases/demo.pt`), pretrained in three runs: 2000 + 6000 steps in the world of token-aligned objects
+# (--cell 8) with clean captions, then 1500 steps on under-captioned images (--unmentioned 0.5: half the
+# images also show one object their prompt does not mention; docs/research_log.md, "Under-captioned
+# pretraining data"), each from the last one's EMA weights with a fresh optimizer and new data draws:
+#     python train.py --stage pretrain --out runs/cell2k --unmentioned 0 --pretrain-steps 2000 --threads 2   (5 min)
+#     python train.py --stage pretrain --out runs/cell8k --unmentioned 0 --pretrain-steps 6000 \
+#         --pretrain-from runs/cell2k/base.pt --pretrain-lr 5e-4 --seed 1 --threads 1          (24 min beside other runs)
+#     python train.py --stage pretrain --out runs/demo_base --pretrain-steps 1500 \
+#         --pretrain-from runs/cell8k/base.pt --pretrain-lr 5e-4 --seed 2 --threads 2          (4 min)
+# `python train.py --init scratch` pretrains one run of --pretrain-steps (8000) in the demo's world
+# (under-captioned from the start) instead of loading it.
 DEMO_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "demo.pt")
-DEMO_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
+DEMO_BASE_SHA256 = "3e0bf98753f1390403dd5216ec6c6267ab074af9138f8c7a5b2b18aef4b4f472"
+# The demo's base until 2026-12-01 and the base of docs/study.md (preset free16): free sizes and
+# positions, clean captions; 8000 steps, then 8000 more at half the learning rate on new data draws:
+#     python train.py --preset free16 --stage pretrain --out runs/free_base --threads 2        (43 min here)
+#     python train.py --preset free16 --stage pretrain --out runs/free_base2 \
+#         --pretrain-from runs/free_base/base.pt --pretrain-lr 5e-4 --seed 1                   (66 min at --threads 1 beside other jobs)
+#     python checkpoints.py half runs/free_base2/base.pt bases/free16.pt
+FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
+FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
 
 PRESETS = {
     # python train.py: a small MAR with a local prior (mar.py item 4: without it the base does not read
-    # its canvas) on 16×16 shapes images of 64 two-pixel tokens (with 4-pixel tokens at 32 px it
-    # draws no shapes), from the shipped base; 16 AR steps; MAR-GRPO as released (MTE on the uncertain
-    # unknown tokens: docs/study.md found it better than MTE on P_i on this base), without the last
-    # noisy diffusion step (its tiny σ dominates a gradient: docs/research_log.md)
-    "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
-                 min_diff_step=2, lr=1e-5, cfg=6.0),
+    # its canvas) on 16×16 shapes images of 64 two-pixel tokens, objects aligned to 8-px cells (with free
+    # positions RL did not visibly teach a base that draws: docs/research_log.md), from the shipped base,
+    # whose pretraining images were under-captioned; 16 AR steps sampled from the policy itself (no
+    # guidance, τ = 1); MAR-GRPO as released (MTE on the uncertain unknown tokens) without the last noisy
+    # diffusion step (its tiny σ dominates a gradient: docs/research_log.md)
+    "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, cell=8, unmentioned=0.5, pretrain_steps=8000,
+                 num_iter=16, min_diff_step=2, lr=1e-4, cfg=1.0, temperature=1.0, eval_images_per_prompt=2),
+    # the demo until 2026-12-01 and the base of docs/study.md: free object sizes and positions, clean
+    # captions, CFG 6, τ 0.5, lr 1e-5
+    "free16": dict(init=FREE16_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
+                   min_diff_step=2, lr=1e-5, cfg=6.0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores
     "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
                   pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
@@ -163,6 +181,8 @@ def build_parser():
     a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
     a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 4)")
     a("--cell", type=NONNEG_INT, default=0, help="pretraining images: objects aligned to cells of this many pixels (0 = free)")
+    a("--unmentioned", type=number(float, 0, 1), default=0.0,
+      help="pretraining images: probability of one more object than the prompt says (shapes.make_dataset)")
     a("--mask-schedule", default="official", choices=["official", "cosine"],
       help="pretraining mask ratios: official truncated normal, or cos(π/2·u) (small model; mar.py item 5)")
     a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
@@ -341,7 +361,8 @@ def pretrain(args, ctx):
     for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
         # --- data: fresh renders of train-split prompts, a different slice on every rank
         rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
-        imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train", cell=args.cell)
+        imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train", cell=args.cell,
+                                          unmentioned=args.unmentioned)
         x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
         ids = torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)
         # --- update: linear warm-up, then cosine decay to 10%
