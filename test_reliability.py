@@ -24,6 +24,7 @@ import evaluate
 import mar
 import models
 import rewards
+import shapes
 import train
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
@@ -280,6 +281,20 @@ def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
                        "--max-bad-steps", "2", "--out", tmp_path / "b")
     assert code == 1 and "pretraining: 2 non-finite steps in a row (--max-bad-steps 2)" in err
     assert not (tmp_path / "b" / "base.pt").exists()
+
+
+def test_pretraining_renders_the_world_its_flags_ask_for(tmp_path, capsys, monkeypatch):
+    """--cell and --unmentioned reach the pretraining data (the demo's base was made with both), and
+    an --unmentioned outside [0, 1] is a one-line error naming the flag."""
+    seen = []
+    make = shapes.make_dataset
+    monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k) or make(*a, **k))
+    code, _, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--pretrain-steps", "2", "--img-size", "16",
+                       "--patch-size", "2", "--cell", "8", "--unmentioned", "0.5", "--out", tmp_path / "a")
+    assert code == 0, err
+    assert seen == [dict(split="train", cell=8, unmentioned=0.5)] * 2
+    code, _, err = cli(capsys, "--preset", "smoke", "--stage", "pretrain", "--unmentioned", "1.5", "--out", tmp_path / "b")
+    assert code == 2 and err.startswith("error: --unmentioned 1.5: must be a finite number in [0, 1]"), err
 
 
 def test_pretraining_continues_from_a_base(tmp_path, smoke_base, capsys):
