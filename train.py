@@ -180,7 +180,8 @@ def build_parser():
     a("--head-depth", type=POS_INT, default=3, help="diffusion-head residual blocks (small model)")
     a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
     a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 4)")
-    a("--cell", type=NONNEG_INT, default=0, help="pretraining images: objects aligned to cells of this many pixels (0 = free)")
+    a("--cell", type=NONNEG_INT, default=0,
+      help="shapes images of pretraining and the probes: objects aligned to cells of this many pixels (0 = free)")
     a("--unmentioned", type=number(float, 0, 1), default=0.0,
       help="pretraining images: probability of one more object than the prompt says (shapes.make_dataset)")
     a("--mask-schedule", default="official", choices=["official", "cosine"],
