@@ -1084,6 +1084,21 @@ def test_linear_probe_separates_an_oracle_from_noise(smoke_base, monkeypatch):
     assert abs(accuracy - base_rate) < 0.08
 
 
+def test_context_probe_renders_the_presets_world(smoke_base, monkeypatch, capsys):
+    """study.py --context-probe probes a base in its own world: with --cell 8 every image of both
+    probes has its objects in 8-px cells (the demo's preset sets it), without it they are free."""
+    import shapes
+    import study
+    for flags, cell in (([], 0), (["--cell", "8"], 8)):
+        seen = []
+        make = shapes.make_dataset
+        monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k.get("cell", 0)) or make(*a, **k))
+        study.main(["--preset", "smoke", "--context-probe", str(smoke_base), *flags])
+        monkeypatch.undo()
+        assert len(seen) == 5 and set(seen) == {cell}  # context probe; linear probe fit + test at 50, 90%
+    assert "in 8-px cells" in capsys.readouterr().out
+
+
 def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
     """study.py --study hack at toy size: a base is pretrained (the smoke preset ships none), each
     arm trains on the proxy with the verifier logged beside it, its last checkpoint and the base are
