@@ -5,13 +5,16 @@
     python bench.py --mar-base --threads 1   # mar_base: step and recording ratios (2 shared cores: ~35 min)
     python bench.py --compile [--mar-base]   # torch.compile against eager (bench_official.compile_figures)
     python bench.py --study main             # the study's tables: handed to study.py (docs/study.md)
+    python bench.py --sections head_memory --preset harmon   # a trained AR step's head activations
 
 Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
 with / without a plan, each step's parts, plain rollout images/s, record bytes), reward (the
 shapes verifier's images/s), flops (the update's transformer FLOP/s / a large matmul's), scaling
 (step time and record + MTE memory as S, G and tokens grow), mar_base (the official mar_base with
 random weights, measured at fewer AR and diffusion steps than train.py's mar_base preset and
-extrapolated to it by a cost model fitted to the same run), compile (compiled / eager).
+extrapolated to it by a cost model fitted to the same run), compile (compiled / eager), head_memory
+(the activations a trained AR step saves in the diffusion head, with and without recomputing each
+diffusion step's head call in the backward pass, at the preset's head size).
 
 A step is timed stage by stage with train.py's calls (rollout.record_rollout, mte.sample_trajectories,
 masks, policy.backward_rollout with policy.PolicyLoss): a plain rollout, the recorded rollout, decoding
@@ -47,6 +50,7 @@ import processes
 import shapes
 import train
 import verifier
+from diffloss import DiffLoss
 from prompts import Prompts
 
 METHODS = ("grpo-fixed-head", "mar-grpo")
@@ -130,7 +134,7 @@ def run_rollout(st, seed=0, record=True):
         candidates = [k for k in st.model.diffloss.trainable_steps() if k >= a.min_diff_step]
         ar, diff = grpo.choose_train_steps(len(st.model.ar_schedule(a.num_iter, st.model.seq_len)), a.train_ar_steps,
                                            candidates, a.train_diff_steps, processes.seeded(st.device, seed, 3))
-        plan = rollout.RolloutPlan(ar_steps=ar, diff_steps=diff.to(st.device))
+        plan = rollout.RolloutPlan(ar_steps=ar, diff_steps=diff)
     return (*rollout.record_rollout(st.model, st.inputs, a.num_iter, a.cfg, a.cfg_schedule, a.temperature, plan,
                                     processes.seeded(st.device, seed, 4)), plan)
 
@@ -354,13 +358,86 @@ def bench_mar_base(args, opts, out):
     return res
 
 
+def saved_activation_bytes(fn, params=()):
+    """Run fn() and return (bytes of the distinct storages autograd saved for backward, parameters
+    excluded, fn's result)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def bench_head_memory(args, opts, out):
+    """The head's part of one trained AR step (rollout.transition_mean of the rollout trajectory, K
+    diffusion steps over 2n guided rows, and of the MTE seeds, S × K steps over the uncertain rows),
+    random weights at the preset's head size, measured at --head-rows unknown tokens and scaled
+    linearly (saved bytes are proportional to rows) to AR step 0 of the preset: every token unknown,
+    G images a process."""
+    if args.model == "harmon":
+        config = models.harmon_config(args)
+        c, (h, w) = config["mar"], config["image_shape"]  # the sampling grid: 32 × 32 tokens at 512 px
+        C, D, depth, width = c["vae_embed_dim"] * c["patch_size"] ** 2, c["decoder_embed_dim"], c["diffloss_d"], c["diffloss_w"]
+        L = h * w
+    elif args.model.startswith("mar_"):
+        ref = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size)
+        C, D, L = ref.token_embed_dim, ref.decoder_embed_dim, ref.seq_len
+        depth, width = len(ref.diffloss.net.res_blocks), ref.diffloss.net.model_channels
+        del ref
+    else:
+        raise ValueError(f"head_memory: --preset {opts.preset} (--model {args.model}): measured for harmon and mar_* presets")
+    cfg = train.grpo_config(args)
+    K, S, R = args.train_diff_steps, cfg.mte_seeds, opts.head_rows
+    U = max(1, round(cfg.top_k * R))  # uncertain rows among them
+    scale = L * args.group_size / R
+    torch.manual_seed(0)
+    head = DiffLoss(C, D, depth, width, args.num_sampling_steps).requires_grad_(False)
+    steps = list(range(1, K + 1))
+    x_t, x_seeds = torch.randn(K, R, C), torch.randn(K, S, U, C)
+    z = torch.randn(R, D, requires_grad=True)
+    out(f"head {depth} × {width} (token {C}, z {D}), T = {args.num_sampling_steps}, K = {K} trained diffusion steps, "
+        f"S = {S}, guidance {args.cfg}; measured at {R} unknown tokens ({U} uncertain), scaled ×{scale:.0f} to "
+        f"{L} tokens × G = {args.group_size} images (AR step 0 of the preset)")
+
+    zs = z[:U].expand(S, U, D)
+
+    def step_head(store, k=K, parts=("rollout", "seeds")):  # as policy.rollout_loss calls the head
+        loss = rollout.transition_mean(head, x_t[:k], steps[:k], z, z, args.cfg, store).sum() if "rollout" in parts else 0
+        if S and "seeds" in parts:
+            loss = loss + rollout.transition_mean(head, x_seeds[:k], steps[:k], zs, zs, args.cfg, store).sum()
+        return loss
+    res = {}
+    for store in (False, True):
+        t0 = time.perf_counter()
+        saved, loss = saved_activation_bytes(lambda: step_head(store), head.parameters())
+        loss.backward()
+        res[store] = dict(saved=saved, seconds=time.perf_counter() - t0)
+        del loss
+    # the backward pass recomputes one diffusion step's head call at a time: the larger of the two
+    one = max(saved_activation_bytes(lambda: step_head(False, 1, (part,)), head.parameters())[0] for part in ("rollout", "seeds"))
+    peak_after = res[True]["saved"] + one
+    gb = lambda b: f"{b * scale / 2 ** 30:.1f} GB"
+    out(f"  saved by the forward pass, all K{' and S × K' if S else ''} head graphs (no recomputation): {gb(res[False]['saved'])}")
+    out(f"  recomputed per diffusion step: {gb(res[True]['saved'])} saved + {gb(one)} while one step is recomputed = "
+        f"{gb(peak_after)} at the peak ({res[False]['saved'] / peak_after:.1f}× less)")
+    out(f"  time, forward + backward of the head: recomputed / kept {res[True]['seconds'] / res[False]['seconds']:.2f}×")
+    return dict(rows=R, scale=scale, before=res[False]["saved"] * scale, after=peak_after * scale,
+                time_ratio=res[True]["seconds"] / res[False]["seconds"])
+
+
 def bench_compile(args, opts, out):
     bench = StepBench(demo_setting(args, opts.device), methods=()).run(0)  # one rollout and its MTE trajectories
     return bench_official.compile_figures(bench, out, max(opts.repeats, 2))
 
 
 SECTIONS = dict(step=bench_step, reward=bench_reward, flops=bench_flops, scaling=bench_scaling,
-                mar_base=bench_mar_base, compile=bench_compile)
+                mar_base=bench_mar_base, compile=bench_compile, head_memory=bench_head_memory)
 DEFAULT = ["step", "reward", "flops", "scaling"]
 
 
@@ -384,6 +461,7 @@ def main(argv=None):
     a("--base-steps", default="8,12,2", help="mar_base: AR, diffusion and trained AR steps measured (preset: 64,100,12)")
     a("--base-repeats", type=int, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
     a("--compile", action="store_true", help="the compile section (with --mar-base: also at mar_base size)")
+    a("--head-rows", type=int, default=64, help="head_memory: unknown tokens measured (then scaled to the preset)")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
     torch.set_num_threads(opts.threads or torch.get_num_threads())

@@ -5,8 +5,10 @@ Every model file (mar.py, vae.py, harmon.py, nova.py), the rewards and train.py 
 weights through these functions, so a missing, truncated or mismatched file always fails the same
 way: one line naming the flag and the file, before anything is written.
 
-A training checkpoint is a plain dict (`torch.load(weights_only=True)` reads it): the policy's
-state dict and config, the optimizer state, the step, the flags, and the count of skipped steps.
+A training checkpoint is a plain dict (`torch.load(weights_only=True)` reads it): the trained
+parameters (frozen ones stay in the base), the absolute path of the base they were trained from
+("base"), the policy's config, the optimizer state, the step, the flags, and the count of skipped
+steps. models.load_policy reads it as a model (base, then the trained parameters).
 """
 
 import argparse
@@ -118,19 +120,25 @@ def newest_training_state(ckpt_dir, warn):
     return None
 
 
-def resume_training(ckpt_dir, model, opt, required, warn):
-    """Load the newest readable checkpoint of ckpt_dir into model and optimizer. Every step's
-    randomness derives from (seed, step, rank), so the step is the only sampler state needed to
-    continue identically. Returns (step, non-finite steps so far); (0, 0) if there is none and
-    not `required`."""
+def resume_training(ckpt_dir, model, opt, base, required, warn):
+    """Load the newest readable checkpoint of ckpt_dir (the trained parameters, over `base`, the
+    absolute path of this run's --init) into model and optimizer. Every step's randomness derives
+    from (seed, step, rank), so the step is the only sampler state needed to continue identically.
+    Returns (step, non-finite steps so far); (0, 0) if there is none and not `required`."""
     found = newest_training_state(ckpt_dir, warn)
     if found is None:
         if required:
             raise FileNotFoundError(f"--resume: no readable checkpoint in {ckpt_dir}")
         return 0, 0
     path, state = found
-    check_state_dict(model, state["model"], path, "--resume")
-    model.load_state_dict(state["model"])
+    if state.get("base") != base:
+        raise ValueError(f"--resume {path}: it was trained from {state.get('base')}, but --init is {base}")
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    problems = state_dict_mismatch(trained, state["model"])
+    if problems:
+        raise ValueError(f"--resume {path}: checkpoint does not fit this run's trained parameters "
+                         f"(another --method or --train-head?): {problems}")
+    model.load_state_dict(state["model"], strict=False)
     try:
         opt.load_state_dict(state["optimizer"])
     except ValueError as e:

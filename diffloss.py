@@ -204,12 +204,12 @@ class GaussianSchedule(nn.Module):
             self.register_buffer(name, value.float(), persistent=False)
 
     def q_posterior(self, x0, x_t, k):
-        """Mean and clipped log-variance of q(x_{k−1} | x_k, x0). x0, x_t: (N, C); k: (N,)."""
+        """Mean and clipped log-variance of q(x_{k−1} | x_k, x0). x0, x_t: (N, C); k: (N,) or int."""
         mean = self.posterior_mean_coef1[k, None] * x0 + self.posterior_mean_coef2[k, None] * x_t
         return mean, self.posterior_log_variance_clipped[k, None].expand_as(x_t)
 
     def p_mean_variance(self, eps, v, x_t, k, clip_denoised=False):
-        """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,).
+        """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,) or int.
         clip_denoised clamps x̂0 to [-1, 1] before it enters the mean (for pixel tokens)."""
         frac = (v + 1) / 2
         log_variance = frac * self.log_betas[k, None] + (1 - frac) * self.posterior_log_variance_clipped[k, None]
@@ -331,10 +331,13 @@ class DiffLoss(nn.Module):
         """One reverse step's Gaussian, differentiable in z and in the net.
 
         x_t: (N, C) noisy tokens at sampling step t
-        t:   (N,) or int, sampling-step index 0 … T−1 (T−1 = pure noise)
+        t:   int (one step for all rows: what the sampler and the loss pass) or a tensor, (N,) or
+             0-dim, of sampling-step indices 0 … T−1 (T−1 = pure noise)
         z:   (N, D) conditions, or (2N, D) = [cond; null] for classifier-free guidance
         cfg: guidance scale w, a float or (N,) tensor; used only when z has 2N rows
         returns (mean, log_variance, pred_x0), each (N, C), for the guided rows.
+        An int step indexes the schedule on the host side and a float w stays a Python number, so a
+        call makes no host-device copy and no sync (a tensor built from a Python number would).
         """
         if torch.is_autocast_enabled(x_t.device.type):  # the head always runs in fp32
             with torch.autocast(x_t.device.type, enabled=False):
@@ -342,55 +345,75 @@ class DiffLoss(nn.Module):
             return mean, log_variance, pred_x0
         sched = self.gen_schedule
         n, c = x_t.shape
-        k = torch.as_tensor(t, device=x_t.device).long()  # () or (N,)
         guided = z.shape[0] == 2 * n
         x_in = torch.cat([x_t, x_t], dim=0) if guided else x_t  # (N or 2N, C)
-        t_net = sched.timesteps[k] if k.dim() == 0 else sched.timesteps[k].repeat(2 if guided else 1)
+        if isinstance(t, int):  # one step: a 0-dim timestep, the time MLP runs once
+            t_net, k = sched.timesteps[t], t
+        else:
+            k = t.long().reshape(-1).expand(n)  # (N,), also from a 0-dim tensor
+            t_net = sched.timesteps[k].repeat(2 if guided else 1)  # (N or 2N,)
         out = self.net(x_in, t_net, z)  # (N or 2N, 2C)
-        k = k.expand(n)  # (N,)
         eps, v = out[:n, :c], out[:n, c:]  # conditional rows; v is never guided
         if guided:
-            w = torch.as_tensor(cfg, dtype=x_t.dtype, device=x_t.device).reshape(-1, 1)
+            w = cfg.to(x_t.dtype).reshape(-1, 1) if torch.is_tensor(cfg) else cfg
             eps_null = out[n:, :c]
             eps = eps_null + w * (eps - eps_null)
         return sched.p_mean_variance(eps, v, x_t, k, self.clip_denoised)
 
+    def noisy(self, k):
+        """Whether sampling step k adds noise (all but the last, k = 0)."""
+        return k > 0
+
     @torch.no_grad()
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
-        """Ancestral sampling of tokens from conditions (SPEC §1).
+        """Ancestral sampling of tokens from conditions (SPEC §1): `reverse_sample` with this head."""
+        return reverse_sample(self, z, self.in_channels, temperature, cfg, generator, record_steps)
 
-        z: (N, D), or (2N, D) = [cond; null] when cfg != 1 (the official layout; the two
-           halves share their noise); temperature: τ scales the per-step noise;
-           cfg: w, a float or a (N,) tensor (a tensor always means guidance).
-        record_steps: optional 1-D LongTensor of sampling-step indices k in `trainable_steps(T)`
-           whose transitions x^k → x^{k−1} are recorded for log-probability recomputation.
-        returns x0: (N, C), and when record_steps is given also a dict with
-           x_t (K, N, C), x_prev (K, N, C), std (K, N, C) = τ σ, logp (K, N, C), steps (K,).
-        """
-        guided = torch.is_tensor(cfg) or cfg != 1.0  # the official rule: z is doubled iff cfg != 1
-        if guided and z.shape[0] % 2:
-            raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
-        n = z.shape[0] // 2 if guided else z.shape[0]
-        z = z.float()  # the head samples in fp32, also under bf16 autocast
-        x = torch.randn(n, self.in_channels, device=z.device, dtype=z.dtype, generator=generator)
-        record = {} if record_steps is None else {int(k): None for k in record_steps}
-        if any(k not in trainable_steps(self.num_sampling_steps) for k in record):
-            raise ValueError(f"record_steps must lie in 1 … {self.num_sampling_steps - 2}; see trainable_steps")
-        for k in range(self.num_sampling_steps - 1, -1, -1):
-            mean, log_variance, _ = self.p_mean_variance(x, k, z, cfg)
-            if k == 0:  # the last step adds no noise
-                x_prev = mean
-            else:
-                std = temperature * torch.exp(0.5 * log_variance)
-                noise = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
-                x_prev = mean + std * noise
-                if k in record:
-                    record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
-            x = x_prev
-        if record_steps is None:
-            return x
-        steps = sorted(record, reverse=True)  # in sampling order
-        x_t, x_prev, std, logp = (torch.stack([record[k][i] for k in steps]) for i in range(4))
-        traj = dict(x_t=x_t, x_prev=x_prev, std=std, logp=logp,
-                    steps=torch.tensor(steps, dtype=torch.long, device=z.device))
-        return x, traj
+
+# -----------------------------------------------------------------------------
+# The reverse loop every head shares (MAR's, Harmon's and NOVA's heads)
+
+def step_list(steps):
+    """Sampling-step indices as a list of Python ints (one host sync if they are a device tensor)."""
+    return steps.tolist() if torch.is_tensor(steps) else [int(k) for k in steps]
+
+
+@torch.no_grad()
+def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
+    """Ancestral sampling from step T−1 down to 0 with any head that has `p_mean_variance(x_t, k,
+    z, cfg)`, `noisy(k)`, `trainable_steps()` and `num_sampling_steps`, recording chosen transitions.
+
+    z: (N, D), or (2N, D) = [cond; null] when guided (cfg a tensor or cfg != 1; the official layout:
+       the two halves share their noise); channels: C, the token size; temperature: τ scales each
+       step's noise std (x^T is N(0, I): module docstring, item 2); cfg: w, a float or (N,) tensor;
+    record_steps: optional sampling-step indices k in `head.trainable_steps()` (ints, or a tensor)
+       whose transitions x^k → x^{k−1} are recorded for log-probability recomputation.
+    returns x0: (N, C), and when record_steps is given also a dict with x_t, x_prev, std = τ σ,
+       logp, each (K, N, C), and steps: the K recorded step indices in sampling order (list of int).
+    Inside the loop nothing syncs with the device: steps are Python ints, w a float or a tensor.
+    """
+    guided = torch.is_tensor(cfg) or cfg != 1.0  # the official rule: z is doubled iff cfg != 1
+    if guided and z.shape[0] % 2:
+        raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
+    n = z.shape[0] // 2 if guided else z.shape[0]
+    z = z.float()  # the head samples in fp32, also under bf16 autocast
+    record = {} if record_steps is None else dict.fromkeys(step_list(record_steps))
+    if any(k not in head.trainable_steps() for k in record):
+        raise ValueError(f"record_steps must lie in {head.trainable_steps()} (see trainable_steps); got {sorted(record)}")
+    x = torch.randn(n, channels, device=z.device, dtype=z.dtype, generator=generator)
+    for k in range(head.num_sampling_steps - 1, -1, -1):
+        mean, log_variance, _ = head.p_mean_variance(x, k, z, cfg)
+        if not head.noisy(k):  # DDPM's last step adds no noise
+            x_prev = mean
+        else:
+            std = temperature * torch.exp(0.5 * log_variance)
+            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
+            x_prev = mean + std * noise
+            if k in record:
+                record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
+        x = x_prev
+    if record_steps is None:
+        return x
+    steps = sorted(record, reverse=True)  # in sampling order
+    x_t, x_prev, std, logp = (torch.stack([record[k][i] for k in steps]) for i in range(4))
+    return x, dict(x_t=x_t, x_prev=x_prev, std=std, logp=logp, steps=steps)

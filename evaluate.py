@@ -4,7 +4,8 @@ metric table; and the pictures of a run (sample grids, reward and gradient-norm 
 `evaluate` is what `python train.py` runs on the base and the tuned model (the same prompts and
 seeds for both) and what `python train.py --eval-only` runs on a checkpoint. Generation goes
 through rollout.record_rollout with nothing recorded, so it is the same loop, and the same noise,
-for MAR, Harmon and NOVA. Under torchrun every rank generates a slice; rank 0 writes.
+for MAR, Harmon and NOVA. Under torchrun every rank generates a slice and sends it to rank 0,
+which alone holds all the images and writes them.
 
 The paper's table (`python evaluate.py --help`):
 
@@ -77,10 +78,10 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag, s
             rows.append(dict(index=i, prompt=prompts.texts([it])[0], reward=float(scores[k]),
                              category=it.get("category") if isinstance(it, dict) else None,
                              details=details[k], image=img.cpu()))
-    if ctx.ddp:
-        gathered = [None] * ctx.world
-        dist.all_gather_object(gathered, rows)
-        rows = [r for part in gathered for r in part]
+    if ctx.ddp:  # rank 0 alone receives the images and writes them
+        gathered = [None] * ctx.world if ctx.master else None
+        dist.gather_object(rows, gathered, dst=0)
+        rows = [r for part in gathered for r in part] if ctx.master else []
     summary = {}
     if ctx.master:
         from PIL import Image

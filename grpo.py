@@ -169,13 +169,14 @@ def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator):
 
     num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
     diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them.
-    returns (sorted list of AR steps, descending LongTensor of diffusion steps on the generator's
-    device; the draws happen there too, so a CUDA generator works; one host sync for the list)
+    returns (sorted list of AR steps, descending list of diffusion steps); the draws happen on the
+    generator's device (a CUDA generator works), and reading them back is one host sync.
     """
     device = generator.device
-    ar = torch.randperm(num_iter, generator=generator, device=device)[:min(num_ar, num_iter)].sort().values.tolist()
+    ar = torch.randperm(num_iter, generator=generator, device=device)[:min(num_ar, num_iter)].sort().values
     trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
     pick = torch.randperm(len(trainable), generator=generator, device=device)[:min(num_diff, len(trainable))]
-    return ar, trainable[pick].sort(descending=True).values
+    both = torch.cat([ar, trainable[pick].sort(descending=True).values]).tolist()
+    return both[:len(ar)], both[len(ar):]

@@ -6,13 +6,24 @@ official MAR models (`mar_base`, `mar_large`, `mar_huge`: class labels, KL-16 la
 prompt embeddings, its own VAE, nova.py). This is the one place that knows which is which; the
 recorder, the loss and the training loop see only rollout.py's policy interface.
 
-What trains under RL (`set_trainable`), following the released trainers (AMAP-ML/mar-grpo):
+What trains under RL (`trainable_names`), following the released trainers (AMAP-ML/mar-grpo),
+less every parameter the loss never reads (DDP needs a gradient for each trained parameter; the
+released trainers run under DeepSpeed, which does not, so they list them without training them):
 - MAR: the transformer (encoder, decoder, condition embedding); the head only with --train-head.
+  Not read: the class table of the prompt-conditioned small model, the word table of the
+  class-conditioned official models, and their null embedding `fake_latent` when the loss is not
+  guided (--cfg 1 or --train-cfg 1).
 - Harmon: only the MAR encoder/decoder (`fix_head`; the LLM, proj_in and proj_out stay frozen
-  but in the graph, so gradients reach the MAR encoder through the LLM).
-- NOVA: the whole transformer except its diffusion MLP `image_decoder` (`fix_head`).
+  but in the graph, so gradients reach the MAR encoder through the LLM). Not read: `mar.class_emb`
+  (Harmon conditions through the LLM).
+- NOVA: the whole transformer except its diffusion MLP `image_decoder` (`fix_head`). Not read:
+  `video_encoder.patch_embed` (the text-to-image video encoder sees one bos frame, never patches).
+The policy shares every frozen parameter with the reference it was copied from (`policy_copy`), so
+a frozen LLM is held once, and a GRPO checkpoint holds the trained parameters only, over its base
+(`load_policy` reads both).
 """
 
+import copy
 import math
 import os
 
@@ -101,28 +112,46 @@ def load_checkpoint(path, ema=True, model=None, flag="--init", **overrides):
     return model.eval()
 
 
-def load_policy(args, path):
-    """The policy in eval mode on the CPU from `path`: an official release or a checkpoint of ours,
-    with the run's number of diffusion steps."""
+def load_policy(args, path, flag="--init"):
+    """The policy in eval mode on the CPU from `path`: an official release, a base of ours, or a
+    GRPO checkpoint of ours (its trained parameters over the base it names), with the run's number
+    of diffusion steps."""
     T = args.num_sampling_steps
+    ours = _ours(path)
+    if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters only
+        base = ours["base"]
+        if not os.path.exists(base):
+            raise FileNotFoundError(f"{flag} {path}: holds the trained parameters only, and its base {base} is missing")
+        model = load_policy(args, base, flag)
+        load_trained(model, ours["model"], path, flag)
+        return model
     if args.model == "small":
-        return load_checkpoint(path, num_sampling_steps=str(T))
+        return load_checkpoint(path, flag=flag, num_sampling_steps=str(T))
     if args.model.startswith("mar_"):
         model = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(T))
-        return load_checkpoint(path, model=model)
-    ours = _ours(path)
+        return load_checkpoint(path, model=model, flag=flag)
     if args.model == "harmon":
         import harmon
         config = ours["config"] if ours else harmon_config(args)
         config = dict(config, mar=dict(config["mar"], num_sampling_steps=str(T)))
-        return harmon.load_harmon(path, config)
+        return harmon.load_harmon(path, config, flag)
     import nova
     if ours:
         model = nova.build(dict(ours["config"], num_diffusion_steps=T))
-        checkpoints.check_state_dict(model, ours["model"], path)
+        checkpoints.check_state_dict(model, ours["model"], path, flag)
         model.load_state_dict(ours["model"])
         return model.eval()
     return nova.load_nova(path, num_sampling_steps=T)
+
+
+def load_trained(model, sd, path, flag="--init"):
+    """Load a GRPO checkpoint's trained parameters `sd` into `model` (its base); a key the model
+    lacks or a wrong shape is a one-line error naming `flag` and `path`."""
+    own = dict(model.named_parameters())
+    problems = checkpoints.state_dict_mismatch({k: own[k] for k in sd if k in own}, sd)
+    if problems:
+        raise ValueError(f"{flag} {path}: checkpoint does not fit its base: {problems}")
+    model.load_state_dict(sd, strict=False)
 
 
 def harmon_config(args):
@@ -188,21 +217,44 @@ def text_encoder(args, model, items):
     return lambda prompts, device: dict(prompt_embeds=table["embeds"][[index[p] for p in prompts]].to(device))
 
 
-def prepare_copy(args, model, base):
-    """A policy loaded from a checkpoint gets what is not in its weights (Harmon's null prompt ids)."""
+def trainable_names(args, model, train_head, guided):
+    """The names of the parameters RL trains (module docstring), in the model's order.
+
+    train_head: the diffusion head trains too (--method grpo); guided: the loss recomputes z of the
+    null condition (guidance in the rollout and --train-cfg rollout).
+    """
+    trained, frozen = ([model.mar] if args.model == "harmon" else [model]), []
     if args.model == "harmon":
-        model.set_null_prompt(base.null_input_ids.cpu(), base.pad_token_id)
+        frozen.append(model.mar.class_emb)
+    elif args.model == "small":
+        frozen.append(model.class_emb)  # prompt-conditioned: the class table is unused
+    elif args.model.startswith("mar_"):
+        frozen.append(getattr(model, "text_emb", nn.Identity()))
+        if not guided:
+            frozen.append(model.fake_latent)
+    elif args.model == "nova":
+        frozen.append(model.video_encoder.patch_embed)
+    if not train_head:
+        frozen.append(model.diffloss)
+    tensors = lambda m: list(m.parameters()) if isinstance(m, nn.Module) else [m]
+    keep = {id(p) for m in trained for p in tensors(m)} - {id(p) for m in frozen for p in tensors(m)}
+    return [name for name, p in model.named_parameters() if id(p) in keep]
+
+
+def policy_copy(base, trainable):
+    """A copy of `base` that owns the parameters named in `trainable` (requires_grad) and shares
+    every other parameter with `base` (frozen, held once). Buffers are copied."""
+    trainable = set(trainable)
+    memo = {id(p): p for name, p in base.named_parameters() if name not in trainable}  # deepcopy keeps these
+    model = copy.deepcopy(base, memo)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trainable)
     return model
 
 
-def set_trainable(args, model, train_head):
-    """requires_grad as the released trainers set it (module docstring); returns the trained parameters."""
-    model.requires_grad_(args.model != "harmon")
-    if args.model == "harmon":
-        model.mar.requires_grad_(True)
-    if args.model == "small":
-        model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
-    elif args.model.startswith("mar_"):
-        getattr(model, "text_emb", nn.Identity()).requires_grad_(False)
-    model.diffloss.requires_grad_(train_head)
-    return [p for p in model.parameters() if p.requires_grad]
+def set_trainable(args, model, train_head, guided=True):
+    """requires_grad on `model` itself as `trainable_names` says; returns the trained parameters."""
+    names = set(trainable_names(args, model, train_head, guided))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in names)
+    return [p for name, p in model.named_parameters() if name in names]

@@ -43,7 +43,7 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
     head: the (frozen) DiffLoss; z_final: (B, L, D) the z each token was generated from;
     z_final_null: (B, L, D) the null-condition z for CFG, or None without guidance;
     cfg_final: (B, L) the guidance w of each token; temperature: τ; num_seeds: S;
-    diff_steps: (K,) recorded sampling steps (as the rollout's); generator: torch.Generator.
+    diff_steps: the K recorded sampling steps (as the rollout's, ints); generator: torch.Generator.
     returns dict x_t, x_prev, std (S, K, B, L, C) and x0 (S, B, L, C).
     """
     S, (B, L, D) = num_seeds, z_final.shape
@@ -65,7 +65,7 @@ def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
     (SPEC §4, item 2 above), dense over U_i.
 
     head: the policy's head; seeds: dict from `sample_trajectories`; step: a rollout.StepRecord
-    (unk_idx (B, n), diff_steps (K,)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
+    (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
     without guidance); w: guidance; uncertain: (B, n) bool M_unc on U_i.
     returns ℓ^(s): (S, K, B, n, C). Only the uncertain positions are evaluated (the cost scales with
     k%); elsewhere ℓ^(s) is 0 without gradient, and `mte_policy_term` never selects it.

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.models.embeddings import get_timestep_embedding
 
-from diffloss import transition_logprob
+from diffloss import reverse_sample
 
 
 # -----------------------------------------------------------------------------
@@ -158,11 +158,18 @@ class TransitionHead(nn.Module):
         return len(self.arrays["timesteps"])
 
     def arr(self, name, k, like):
-        """Schedule array `name` at step indices k (N,), as (N, 1) in like's device and dtype."""
+        """Schedule array `name` at step k (an int: every row) or step indices k (N,), as (N, 1) in
+        like's device and dtype (N = like's rows). An int k indexes on the host side: no sync."""
         key = (like.device, like.dtype)
         if key not in self._on_device:  # copy the small arrays to a device once
             self._on_device[key] = {n: a.to(like.device, like.dtype) for n, a in self.arrays.items()}
-        return self._on_device[key][name][k][:, None]
+        a = self._on_device[key][name]
+        return (a[k].expand(like.shape[0]) if isinstance(k, int) else a[k])[:, None]
+
+    @staticmethod
+    def step_rows(t, n):
+        """A step as `arr` takes it: an int stays one, a tensor becomes (n,) long indices."""
+        return t if isinstance(t, int) else t.long().reshape(-1).expand(n)
 
     def model_output(self, x_t, t, z, cfg=1.0):
         """The (guided) net output at sampling step t.
@@ -171,14 +178,14 @@ class TransitionHead(nn.Module):
         with weight cfg (float or (N,) tensor). returns (N, C) = u + w (c − u), or the plain output.
         """
         n = x_t.shape[0]
-        k = torch.as_tensor(t, device=x_t.device).long().expand(n)
+        k = self.step_rows(t, n)
         guided = z.shape[0] == 2 * n
         x_in = torch.cat([x_t, x_t]) if guided else x_t  # (N or 2N, C)
         timestep = self.arr("timesteps", k, x_t)[:, 0].repeat(2 if guided else 1)
         out = self.net(x_in, timestep, z)
         if not guided:
             return out
-        w = torch.as_tensor(cfg, dtype=out.dtype, device=out.device).reshape(-1, 1)
+        w = cfg.to(out.dtype).reshape(-1, 1) if torch.is_tensor(cfg) else cfg  # a float stays a Python number
         cond, null = out[:n], out[n:]
         return null + w * (cond - null)
 
@@ -192,44 +199,13 @@ class TransitionHead(nn.Module):
         if torch.is_autocast_enabled(x_t.device.type):  # the head always runs in fp32
             with torch.autocast(x_t.device.type, enabled=False):
                 return self.p_mean_variance(x_t.float(), t, z.float(), cfg)
-        k = torch.as_tensor(t, device=x_t.device).long().expand(x_t.shape[0])
+        k = self.step_rows(t, x_t.shape[0])
         return self.gaussian(x_t, k, self.model_output(x_t, k, z, cfg))
 
-    @torch.no_grad()
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
-        """Ancestral sampling from step T−1 down to 0.
-
-        z: (N, D), or (2N, D) = [cond; null] when guided (cfg a tensor or cfg != 1);
-        temperature: τ, scales each step's noise std; record_steps: optional 1-D LongTensor of
-        step indices in `trainable_steps()` whose transitions are recorded.
-        returns x0 (N, C), and with record_steps a dict x_t, x_prev, std (= τ σ), logp, each
-        (K, N, C), and steps (K,) in sampling order.
-        """
-        guided = torch.is_tensor(cfg) or cfg != 1.0
-        if guided and z.shape[0] % 2:
-            raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
-        n = z.shape[0] // 2 if guided else z.shape[0]
-        z = z.float()
-        record = {} if record_steps is None else {int(k): None for k in record_steps}
-        if any(k not in self.trainable_steps() for k in record):
-            raise ValueError(f"record_steps must lie in {self.trainable_steps()}; got {sorted(record)}")
-        x = torch.randn(n, self.net.head.out_features, device=z.device, generator=generator)
-        for k in range(self.num_sampling_steps - 1, -1, -1):
-            mean, log_variance, _ = self.p_mean_variance(x, k, z, cfg)
-            if not self.noisy(k):
-                x_prev = mean
-            else:
-                std = temperature * torch.exp(0.5 * log_variance)
-                x_prev = mean + std * torch.randn(x.shape, device=x.device, generator=generator)
-                if k in record:
-                    record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
-            x = x_prev
-        if record_steps is None:
-            return x
-        steps = sorted(record, reverse=True)  # sampling order
-        x_t, x_prev, std, logp = (torch.stack([record[k][i] for k in steps]) for i in range(4))
-        return x, dict(x_t=x_t, x_prev=x_prev, std=std, logp=logp,
-                       steps=torch.tensor(steps, dtype=torch.long, device=z.device))
+        """Ancestral sampling from step T−1 down to 0: diffloss.reverse_sample with this head (its
+        arguments and returns; the starting noise is N(0, I), τ scales each step's noise std)."""
+        return reverse_sample(self, z, self.net.head.out_features, temperature, cfg, generator, record_steps)
 
 
 def _scheduler(cls, config, num_steps):
@@ -262,6 +238,8 @@ class DDPMHead(TransitionHead):
             sqrt_recip_acp=acp_t.rsqrt(), sqrt_recipm1_acp=(1 / acp_t - 1).sqrt(),
             coef_x0=acp_p.sqrt() * beta / (1 - acp_t), coef_xt=alpha.sqrt() * (1 - acp_p) / (1 - acp_t),
             log_var=torch.log((beta * (1 - acp_p) / (1 - acp_t)).clamp(min=1e-20)))
+        top = len(ts) - 1  # decided once, on the host (see trainable_steps)
+        self.trainable = range(1, top if top > 0 and float(alpha[top]) < 1e-4 else top + 1)
 
     def gaussian(self, x_t, k, eps):
         pred_x0 = self.arr("sqrt_recip_acp", k, x_t) * x_t - self.arr("sqrt_recipm1_acp", k, x_t) * eps
@@ -276,8 +254,7 @@ class DDPMHead(TransitionHead):
         when its α_t < 1e-4 (a cosine schedule capped at β = 0.999): there μ amplifies the float32
         rounding of ε̂ by 1/√α_t relative to σ, and its log-probability cannot be recomputed to
         1e-5. NOVA's scaled-linear schedules keep it (α_t ≈ 0.6 at T = 25)."""
-        top = self.num_sampling_steps - 1
-        return range(1, top if top > 0 and self.arrays["alpha"][top] < 1e-4 else top + 1)
+        return self.trainable
 
 
 class FlowSDEHead(TransitionHead):
@@ -306,7 +283,7 @@ class FlowSDEHead(TransitionHead):
 
     def ode_step(self, x_t, t, z, cfg=1.0):
         """NOVA's own (deterministic Euler) step: x + v̂ dt. Same arguments as p_mean_variance."""
-        k = torch.as_tensor(t, device=x_t.device).long().expand(x_t.shape[0])
+        k = self.step_rows(t, x_t.shape[0])
         return x_t + self.arr("dt", k, x_t) * self.model_output(x_t, k, z, cfg)
 
     @torch.no_grad()

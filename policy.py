@@ -127,19 +127,22 @@ class PolicyLoss(nn.Module):
         return rollout_loss(self.model, ref, record, j, inputs, adv, config, seeds, uncertain, old)
 
 
-def backward_rollout(loss_module, ddp, ref, record, inputs, adv, config, seeds, uncertain, olds, autocast):
+def backward_rollout(loss_module, ddp, ref, record, inputs, adv, config, seeds, uncertain, olds, autocast,
+                     scale=1.0, sync=True):
     """L = −mean_i (P_i − β KL_i): backward through each trained AR step's loss / #steps, one step
     at a time (each graph is freed before the next); DDP's all-reduce happens once, on the last.
-    Forward passes run under `autocast`, backward outside it. Returns (stats, olds): stats is a
-    list of dicts of 0-dim tensors (each with the step's "loss"), read with one sync by the caller."""
+    Forward passes run under `autocast`, backward outside it. scale: multiplies the loss (1/A for
+    one of A accumulated micro-batches); sync: whether DDP all-reduces on this rollout's last step
+    (False for all but a step's last micro-batch). Returns (stats, olds): stats is a list of dicts
+    of 0-dim tensors (each with the step's "loss"), read with one sync by the caller."""
     n = len(record.steps)
     stats, new_olds = [], []
     for j in range(n):
-        sync = not ddp or j == n - 1
-        with contextlib.nullcontext() if sync else loss_module.no_sync():
+        reduce = not ddp or (sync and j == n - 1)
+        with contextlib.nullcontext() if reduce else loss_module.no_sync():
             with autocast():
                 loss, s, old = loss_module(ref, record, j, inputs, adv, config, seeds, uncertain, olds[j])
-            (loss / n).backward()
+            (loss / n * scale).backward()
         stats.append({**s, "loss": loss.detach()})
         new_olds.append(old)
     return stats, new_olds

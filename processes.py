@@ -6,6 +6,7 @@ does; rank 0 alone prints and writes; scalars are all-reduced before they are lo
 """
 
 import contextlib
+import datetime
 import os
 
 import numpy as np
@@ -21,6 +22,14 @@ def seeded(device, *parts):
     return gen.manual_seed(int(np.random.SeedSequence(list(parts)).generate_state(1)[0]))
 
 
+# How long a collective waits for the slowest rank before the run fails. The longest work one rank
+# does while the others wait is rank 0 writing a checkpoint: the trained parameters and their AdamW
+# state, 12 bytes a parameter (Harmon-1.5B trains 0.79 B: ~9.5 GB; NOVA-d48w1024 0.61 B: ~7.3 GB), a
+# minute on a local disk and up to a quarter of an hour on a network filesystem at 10 MB/s; NCCL's
+# own default is 10 minutes.
+TIMEOUT = datetime.timedelta(minutes=60)
+
+
 class Ctx:
     """Process-wide facts: rank, world size, device, whether this is the master process."""
 
@@ -30,7 +39,7 @@ class Ctx:
         self.ddp = int(os.environ.get("RANK", -1)) != -1
         want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if self.ddp:
-            dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+            dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=TIMEOUT)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.world = 0, 1
@@ -46,9 +55,12 @@ class Ctx:
         # the diffusion head always runs in fp32 (diffloss.py)
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if want_cuda else contextlib.nullcontext
 
-    def generator(self, *parts):
-        """This rank's generator for (stage, step, ...) on the run's device."""
-        return seeded(self.device, self.seed, *parts, self.rank)
+    def generator(self, *parts, shard=None):
+        """The generator of (stage, step, ...) on the run's device, for this rank's data, or for
+        `shard`, one of the world × micro-batches slices of a step's batch (train.py, --grad-accum):
+        shard r·A + m on rank r is what rank r·A + m of a world of world·A processes draws, so
+        gradient accumulation reproduces more processes exactly."""
+        return seeded(self.device, self.seed, *parts, self.rank if shard is None else shard)
 
     def print0(self, *a, **k):
         if self.master:
@@ -56,12 +68,18 @@ class Ctx:
 
     def mean(self, values):
         """All-reduce a dict of floats or 0-dim tensors to their mean over ranks (every rank calls it)."""
+        return self.reduce(values, dist.ReduceOp.SUM, 1 / self.world)
+
+    def max(self, values):
+        """All-reduce a dict of floats or 0-dim tensors to their maximum over ranks (every rank calls it)."""
+        return self.reduce(values, dist.ReduceOp.MAX)
+
+    def reduce(self, values, op, scale=1.0):
         keys = sorted(values)
         t = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device).reshape(()) for k in keys])
         if self.ddp:
-            dist.all_reduce(t)
-            t /= self.world
-        return dict(zip(keys, t.tolist()))  # .tolist() syncs with the GPU: once per step
+            dist.all_reduce(t, op=op)
+        return dict(zip(keys, (t * scale).tolist()))  # .tolist() syncs with the GPU
 
     def barrier(self):
         if self.ddp:

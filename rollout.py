@@ -31,8 +31,10 @@ Where this departs from the released trainers:
    rollout's. Here the record holds exactly what the sampler fed the model, and recorded and
    recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
 3. `transition_mean` recomputes the recorded transitions' means one diffusion step at a time,
-   with a 0-dim step as the sampler calls the head: the same arithmetic, so recorded and
-   recomputed log-probabilities agree to float rounding.
+   with an int step as the sampler calls the head: the same arithmetic, so recorded and
+   recomputed log-probabilities agree to float rounding. With gradients on it keeps no head
+   activations (each step's head call is recomputed in the backward pass), so the memory of a
+   trained AR step does not grow with K or S.
 4. With no chosen steps, the loop draws the same noise in the same order as `MAR.sample_tokens`,
    so a rollout and a plain sample with the same generator are the same images (tested).
 """
@@ -40,17 +42,20 @@ Where this departs from the released trainers:
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from diffloss import step_list
 
 
 @dataclass
 class RolloutPlan:
     """Which steps of one rollout are recorded for training, chosen before it starts.
 
-    ar_steps: sorted AR step indices i; diff_steps: (K,) sampling-step indices of the head, a
-    subset of `head.trainable_steps()`, recorded at every chosen AR step.
+    ar_steps: sorted AR step indices i; diff_steps: K sampling-step indices of the head (ints, or a
+    tensor, read once), a subset of `head.trainable_steps()`, recorded at every chosen AR step.
     """
     ar_steps: list
-    diff_steps: torch.Tensor
+    diff_steps: list
 
 
 @dataclass
@@ -61,7 +66,7 @@ class StepRecord:
     unknown (B, L) bool: U_i; pred (B, L) bool: P_i ⊆ U_i, the positions written at step i;
     unk_idx (B, n): the positions of U_i, ascending (every image has the same n);
     cfg: the guidance w of this step (1.0 without guidance);
-    diff_steps (K,): the recorded sampling steps, in sampling order;
+    diff_steps: the K recorded sampling steps, in sampling order (list of int);
     x_t, x_prev, std, logp (K, B, n, C): the head's transitions x^k -> x^{k-1} on U_i, the std
       s = τσ they were sampled with, and their per-element log-probability ℓ;
     preview (B, L, C): x̂0 of step i (known tokens + the head's result on U_i);
@@ -73,7 +78,7 @@ class StepRecord:
     pred: torch.Tensor
     unk_idx: torch.Tensor
     cfg: float
-    diff_steps: torch.Tensor
+    diff_steps: list
     x_t: torch.Tensor
     x_prev: torch.Tensor
     std: torch.Tensor
@@ -138,21 +143,25 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
     B = orders.shape[0]
     tokens = torch.zeros(B, L, C, device=device)
     unknown = torch.ones(B, L, dtype=torch.bool, device=device)
-    plan = plan or RolloutPlan(ar_steps=[], diff_steps=torch.zeros(0, dtype=torch.long))
-    chosen = set(plan.ar_steps)
+    diff_steps = step_list(plan.diff_steps) if plan is not None else []
+    chosen = set(plan.ar_steps) if plan is not None else set()
     need_preview = chosen | {i - 1 for i in chosen if i >= 1}
     z_final = z_final_null = None
     cfg_final = torch.ones(B, L, device=device)
     records, previews = [], {}
 
+    # Every image has the same number of unknown tokens at every step, so the positions the head
+    # samples are a gather from the orders, not a boolean mask: no host sync in this loop beyond
+    # what model.predict_z itself does.
     num_unknown = L
     for i, count in enumerate(model.ar_schedule(num_iter, L)):
         x = torch.cat([tokens, tokens]) if guided else tokens  # (B or 2B, L, C)
         m = unknown.to(tokens.dtype)
         m = torch.cat([m, m]) if guided else m  # (B or 2B, L)
         z = model.predict_z(x, m, cond).float()  # (B or 2B, L, D)
+        D = z.shape[-1]
         if z_final is None:
-            z_final = torch.zeros(B, L, z.shape[-1], device=device)
+            z_final = torch.zeros(B, L, D, device=device)
             z_final_null = torch.zeros_like(z_final) if guided else None
 
         # which positions are written this step: `count` more of each order (from its end, as MAR)
@@ -161,38 +170,34 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
         pred.scatter_(1, orders[:, n_next:num_unknown], True)  # (B, L) P_i; orders[:, :n_next] stay unknown
         w = guidance_weight(cfg, cfg_schedule, n_next, L) if guided else 1.0
 
-        # the head samples P_i, or all of U_i at recorded steps and where a preview is needed
+        # the head samples P_i, or all of U_i at recorded steps and where a preview is needed; its
+        # rows are image-major, positions ascending
         full = i in need_preview
-        head_mask = unknown if full else pred  # (B, L)
-        idx = head_mask.nonzero(as_tuple=True)
-        z_head = z[:B][idx]  # (M, D)
+        pos = (orders[:, :num_unknown] if full else orders[:, n_next:num_unknown]).sort(dim=1).values  # (B, m)
+        rows = pos.shape[1]
+        z_head = z[:B].gather(1, pos[..., None].expand(B, rows, D)).reshape(B * rows, D)  # (B·m, D)
         if guided:
-            z_head = torch.cat([z_head, z[B:][idx]])  # (2M, D) = [cond; null]
+            z_null_head = z[B:].gather(1, pos[..., None].expand(B, rows, D)).reshape(B * rows, D)
+            z_head = torch.cat([z_head, z_null_head])  # (2·B·m, D) = [cond; null]
         if i in chosen:
-            sampled, traj = head.sample(z_head, temperature, w, generator, record_steps=plan.diff_steps)
+            sampled, traj = head.sample(z_head, temperature, w, generator, record_steps=diff_steps)
         else:
-            sampled = head.sample(z_head, temperature, w, generator)  # (M, C)
-
-        new_tokens = tokens.clone()
+            sampled = head.sample(z_head, temperature, w, generator)  # (B·m, C)
+        # the canvas with the head's result on the sampled positions: x̂0 on U_i at a full step
+        canvas = tokens.scatter(1, pos[..., None].expand(B, rows, C), sampled.reshape(B, rows, C).to(tokens.dtype))
         if full:
-            canvas = tokens.clone()
-            canvas[idx] = sampled.to(canvas.dtype)  # the preview x̂0 on U_i
             previews[i] = canvas
-            new_tokens[pred] = canvas[pred]
-        else:
-            new_tokens[idx] = sampled.to(new_tokens.dtype)
+        new_tokens = torch.where(pred[..., None], canvas, tokens)  # only P_i is written
 
-        z_final[pred] = z[:B][pred]
+        z_final = torch.where(pred[..., None], z[:B], z_final)
         if guided:
-            z_final_null[pred] = z[B:][pred]
-        cfg_final[pred] = float(w)
+            z_final_null = torch.where(pred[..., None], z[B:], z_final_null)
+        cfg_final = cfg_final.masked_fill(pred, float(w))
         if i in chosen:
-            n = num_unknown
-            K = len(plan.diff_steps)
+            K = len(diff_steps)
             records.append(StepRecord(
-                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=idx[1].reshape(B, n), cfg=float(w),
-                diff_steps=traj["steps"],
-                **{key: traj[key].reshape(K, B, n, C) for key in ("x_t", "x_prev", "std", "logp")},
+                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=pos, cfg=float(w), diff_steps=traj["steps"],
+                **{key: traj[key].reshape(K, B, rows, C) for key in ("x_t", "x_prev", "std", "logp")},
                 preview=previews[i], preview_prev=previews.get(i - 1)))
         tokens, unknown, num_unknown = new_tokens, unknown & ~pred, n_next
 
@@ -200,12 +205,16 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
                            cfg_final=cfg_final, steps=records)
 
 
-def transition_mean(head, x_t, steps, z, z_null, w):
+def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
     """μ of recorded transitions, differentiable in z and the head (any head with the
     `p_mean_variance` contract of DiffLoss: MAR's, Harmon's, NOVA's).
 
-    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: (K,) sampling steps;
-    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance.
+    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: the K sampling steps (ints);
+    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance;
+    checkpoint_head: when gradients are on, keep no head activations: each diffusion step's head
+      call is recomputed in the backward pass, one step at a time (torch.utils.checkpoint), so a
+      trained AR step holds one head graph at a time instead of K (S × K with MTE). The values and
+      gradients are the same; the head's forward runs twice.
     returns μ: (K, *rows, C)
     """
     K, C = x_t.shape[0], x_t.shape[-1]
@@ -213,7 +222,13 @@ def transition_mean(head, x_t, steps, z, z_null, w):
     z_rows = z.reshape(n, -1)  # (n, D)
     if z_null is not None:
         z_rows = torch.cat([z_rows, z_null.reshape(n, -1)])  # (2n, D) = [cond; null]
-    # one call per diffusion step with a 0-dim step, as the sampler makes it: the same arithmetic,
+    steps = step_list(steps)
+
+    # one call per diffusion step with an int step, as the sampler makes it: the same arithmetic,
     # so recomputed and recorded log-probabilities agree to float rounding (SPEC §2)
-    mean = [head.p_mean_variance(x_t[k].reshape(n, C), steps[k], z_rows, w)[0] for k in range(K)]
+    def mean_at(x, rows, k):
+        return head.p_mean_variance(x, k, rows, w)[0]
+    store = checkpoint_head and torch.is_grad_enabled()
+    mean = [checkpoint(mean_at, x_t[j].reshape(n, C), z_rows, steps[j], use_reentrant=False, preserve_rng_state=False)
+            if store else mean_at(x_t[j].reshape(n, C), z_rows, steps[j]) for j in range(K)]
     return torch.stack(mean).reshape(x_t.shape)

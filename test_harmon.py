@@ -264,13 +264,13 @@ def test_recorded_logp_is_recomputed_from_a_fresh_predict_z():
 
     z_c, z_n = model.predict_z(tokens, mask, cond), model.predict_z(tokens, mask, null)  # fresh, with gradients
     z_rows = torch.cat([z_c[idx].repeat(K, 1), z_n[idx].repeat(K, 1)])  # (2·K·N, D)
-    mean, _, _ = model.diffloss.p_mean_variance(traj["x_t"].reshape(K * N, C), traj["steps"].repeat_interleave(N),
+    mean, _, _ = model.diffloss.p_mean_variance(traj["x_t"].reshape(K * N, C), torch.tensor(traj["steps"]).repeat_interleave(N),
                                                 z_rows, cfg)
     logp = transition_logprob(traj["x_prev"].reshape(K * N, C), mean, traj["std"].reshape(K * N, C))
     err = (logp - traj["logp"].reshape(K * N, C)).abs() / traj["logp"].reshape(K * N, C).abs().clamp(min=1.0)
     assert err.max() < 1e-5, err.max()
     # without guidance the recomputation would not match (so the check above sees the guidance)
-    mean_u, _, _ = model.diffloss.p_mean_variance(traj["x_t"].reshape(K * N, C), traj["steps"].repeat_interleave(N),
+    mean_u, _, _ = model.diffloss.p_mean_variance(traj["x_t"].reshape(K * N, C), torch.tensor(traj["steps"]).repeat_interleave(N),
                                                   z_c[idx].repeat(K, 1))
     assert (transition_logprob(traj["x_prev"].reshape(K * N, C), mean_u, traj["std"].reshape(K * N, C))
             - traj["logp"].reshape(K * N, C)).abs().max() > 1e-2

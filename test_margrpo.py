@@ -195,11 +195,11 @@ def test_recorded_transitions_recompute_exactly():
     z = torch.randn(10, 32, generator=g)  # 5 guided rows
     steps = torch.tensor([8, 4, 1])
     x0, traj = head.sample(z, temperature=0.7, cfg=3.0, generator=g, record_steps=steps)
-    assert traj["x_t"].shape == (3, 5, 48) and traj["steps"].tolist() == [8, 4, 1]
+    assert traj["x_t"].shape == (3, 5, 48) and traj["steps"] == [8, 4, 1]
     # all K steps at once, rows reversed: (K·N, C)
     K, N, C = traj["x_t"].shape
     zc, zu = z[:5].flip(0).repeat(K, 1), z[5:].flip(0).repeat(K, 1)
-    mean, _, _ = head.p_mean_variance(traj["x_t"].flip(1).reshape(K * N, C), traj["steps"].repeat_interleave(N),
+    mean, _, _ = head.p_mean_variance(traj["x_t"].flip(1).reshape(K * N, C), torch.tensor(traj["steps"]).repeat_interleave(N),
                                       torch.cat([zc, zu]), cfg=3.0)
     logp = transition_logprob(traj["x_prev"].flip(1).reshape(K * N, C), mean, traj["std"].flip(1).reshape(K * N, C))
     torch.testing.assert_close(logp, traj["logp"].flip(1).reshape(K * N, C), rtol=0, atol=1e-5)
@@ -848,10 +848,10 @@ def test_choose_train_steps():
     g = torch.Generator().manual_seed(0)
     ar, diff = grpo.choose_train_steps(64, 12, diffloss.trainable_steps(25), 10, g)
     assert len(ar) == 12 and ar == sorted(set(ar)) and all(0 <= i < 64 for i in ar)
-    assert len(diff) == 10 and diff.tolist() == sorted(set(diff.tolist()), reverse=True)
-    assert all(1 <= k <= 23 for k in diff.tolist())
+    assert len(diff) == 10 and diff == sorted(set(diff), reverse=True)
+    assert all(1 <= k <= 23 for k in diff)
     ar, diff = grpo.choose_train_steps(4, 12, diffloss.trainable_steps(5), 10, g)
-    assert ar == [0, 1, 2, 3] and diff.tolist() == [3, 2, 1]
+    assert ar == [0, 1, 2, 3] and diff == [3, 2, 1]
 
 
 # -----------------------------------------------------------------------------
@@ -936,14 +936,6 @@ def test_smoke_pipeline_on_cuda(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and max(r["logp_parity_err"] for r in rows) < 1e-3
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
-
-
-def test_torchrun_two_processes_logs_from_rank_0(tmp_path, smoke_base):
-    out = tmp_path / "ddp"
-    res = run_train("--preset", "smoke", "--stage", "grpo", "--init", str(smoke_base), "--out", str(out), torchrun=2)
-    assert res.stdout.count("GRPO (mar-grpo)") == 1 and "world size 2" in res.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
 
 
 def test_resume_continues_identically(tmp_path, smoke_base):

@@ -206,7 +206,7 @@ def recompute_logp(model, prompt_embeds, step, cfg, guided=True):
     for cond in (c, model.null_condition_like(c)) if guided else (c,):
         z = model.predict_z(step["tokens"], step["mask"], cond)
         zs.append(z.gather(1, pred[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1).repeat(K, 1))  # (K·N, D)
-    mean, _, _ = model.diffloss.p_mean_variance(traj["x_t"].flatten(0, 1), traj["steps"].repeat_interleave(N),
+    mean, _, _ = model.diffloss.p_mean_variance(traj["x_t"].flatten(0, 1), torch.tensor(traj["steps"]).repeat_interleave(N),
                                                 torch.cat(zs), cfg if guided else 1.0)
     return transition_logprob(traj["x_prev"], mean.reshape(K, N, C), traj["std"])
 
@@ -223,7 +223,7 @@ def test_recorded_logp_equals_recomputed(kind):
     assert len(steps) == len(model.ar_schedule(5, model.seq_len))
     worst, T = 0.0, model.diffloss.num_sampling_steps
     for step in steps:
-        assert step["traj"]["steps"].tolist() == sorted(model.diffloss.trainable_steps(), reverse=True)
+        assert step["traj"]["steps"] == sorted(model.diffloss.trainable_steps(), reverse=True)
         logp = recompute_logp(model, prompts, step, 4.0)
         worst = max(worst, (logp.detach() - step["traj"]["logp"]).abs().max().item())
         # the recorded std is τ·σ of the step (σ does not depend on z)

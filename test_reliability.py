@@ -176,7 +176,8 @@ def test_bad_input_leaves_an_existing_run_untouched(tmp_path, smoke_run, smoke_b
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
     other = mar.build_mar(models.small_mar_config(train.parse_args(["--preset", "smoke", "--embed-dim", "48"])))
-    torch.save({"model": other.state_dict(), "optimizer": {}, "step": 9}, run / "ckpt" / "step_000009.pt")
+    torch.save({"model": other.state_dict(), "base": os.path.abspath(smoke_base), "optimizer": {}, "step": 9},
+               run / "ckpt" / "step_000009.pt")
     before = snapshot(run)
     for flags, words in [
         (["--resume", "--reward", "nope"], ["--reward", "nope"]),

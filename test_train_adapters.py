@@ -123,15 +123,20 @@ def test_harmon_grpo_end_to_end(harmon_files, tmp_path, capsys):
     code, _, err = cli(capsys, *flags)
     final = check_run(out, code, err)
 
-    # the checkpoint reloads through the run's own loader, with its config
+    # the checkpoint holds the trained parameters only, and reloads over its base through the run's
+    # own loader, with its config
     args = train.parse_args([str(f) for f in flags])
     tuned = models.load_policy(args, str(final))
-    tuned_sd = load(final)["model"]
-    assert all(torch.equal(tuned.state_dict()[k], v) for k, v in tuned_sd.items())
+    ckpt = load(final)
+    assert ckpt["base"] == str(harmon_files["init"].absolute())
+    assert all(torch.equal(tuned.state_dict()[k], v) for k, v in ckpt["model"].items())
     assert tuned.seq_len == 9 and tuned.token_embed_dim == 16
 
-    # only the MAR encoder/decoder trained: the LLM, proj_in, proj_out and the diffusion head did not move
-    changed = changed_keys(load(harmon_files["init"]), tuned_sd)
+    # only the MAR encoder/decoder trained (less its unused class table): the LLM, proj_in, proj_out
+    # and the diffusion head are neither saved nor moved
+    assert set(ckpt["model"]) == {k for k, _ in tuned.named_parameters() if k.startswith("mar.") and not k.startswith(
+        ("mar.diffloss.", "mar.class_emb."))}
+    changed = changed_keys(load(harmon_files["init"]), tuned.state_dict())
     assert changed and all(k.startswith("mar.") and not k.startswith("mar.diffloss.") for k in changed), changed
     assert any(k.startswith("mar.encoder_blocks.") for k in changed)  # gradients reach the encoder through the LLM
     assert any(k.startswith("mar.decoder_blocks.") for k in changed)
@@ -199,8 +204,10 @@ def test_nova_grpo_end_to_end(kind, nova_common, tiny_archs, tmp_path, capsys):
     assert all(torch.equal(tuned.state_dict()[k], v) for k, v in tuned_sd.items())
     assert type(tuned.diffloss) is type(base.diffloss) and tuned.diffloss.num_sampling_steps == args.num_sampling_steps
 
-    # everything but the diffusion MLP may train; image_decoder.* did not move, the transformer did
-    changed = changed_keys(base.state_dict(), tuned_sd)
+    # everything but the diffusion MLP (and the video encoder's unused patch embedding) trains and is
+    # saved; image_decoder.* did not move, the transformer did
+    assert set(tuned_sd) == {k for k, _ in base.named_parameters() if not k.startswith(("image_decoder.", "video_encoder.patch_embed."))}
+    changed = changed_keys(base.state_dict(), tuned.state_dict())
     assert changed and not any(k.startswith("image_decoder.") for k in changed), changed
     assert any(k.startswith("image_encoder.blocks.") for k in changed)
     assert any(k.startswith("video_encoder.") for k in changed)  # through the condition c

@@ -207,6 +207,8 @@ def build_parser():
     a("--steps", type=POS_INT, default=40, help="GRPO steps")
     a("--prompts-per-step", type=POS_INT, default=8, help="prompts per step (global; divides by the world size)")
     a("--group-size", type=number(int, 2), default=6, help="images per prompt G")
+    a("--grad-accum", type=POS_INT, default=1, help="micro-batches per rank and step, gradients accumulated: the "
+                                                    "same step as world × this many processes")
     a("--lr", type=POS_FLOAT, default=1e-4, help="GRPO learning rate (constant)")
     a("--weight-decay", type=NONNEG_FLOAT, default=0.0, help="AdamW weight decay")
     a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
@@ -274,9 +276,9 @@ def check_inputs(args, world):
     cfg = grpo_config(args)
     if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
         raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
-    if args.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} "
-                         "(each prompt's group is generated on one rank)")
+    if args.prompts_per_step % (world * args.grad_accum):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} × "
+                         f"--grad-accum {args.grad_accum} (each prompt's group is generated in one micro-batch)")
     if args.stage == "pretrain" and args.init is not None:
         raise ValueError("--stage pretrain trains a base model from scratch: drop --init (or use --stage grpo)")
     if (args.eval_only or args.stage == "grpo") and args.init is None:
@@ -406,19 +408,65 @@ def pretrain(args, ctx):
 # -----------------------------------------------------------------------------
 # Stage 2: GRPO
 
-def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
-    """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL);
-    checkpoints, samples and metrics under args.out. Returns the final checkpoint path.
+# The recorded ℓ of a fresh rollout and the ℓ the update recomputes should agree to float rounding
+# (~1e-5 nats in fp32; the tests hold them to 1e-4). A larger gap means the update does not
+# evaluate the policy that sampled (a bf16 recompute, a canvas fed differently): at 0.1 nats a
+# token's ratio ρ is off by 10%, half of PPO's clip range ε = 0.2, before any update has happened.
+PARITY_WARN = 0.1
+# per-step statistics logged as their maximum over trained AR steps, micro-batches and ranks (an
+# outlier is what they exist to show); every other statistic is a mean
+MAX_STATS = ("logp_parity_err", "ratio_max_dev")
+
+
+def collect(args, ctx, cfg, model, codec, prompts, reward_fn, step, shard, diff_candidates):
+    """One micro-batch of a GRPO step: the prompts of `shard` (of world × --grad-accum), G rollouts
+    each recording the chosen steps, their rewards and advantages, and the MTE trajectories.
+    Returns a dict (inputs, record, images, texts, scores, info, adv, seeds, uncertain, times)."""
+    per_shard = args.prompts_per_step // (ctx.world * args.grad_accum)  # divisibility: check_inputs
+    t0 = time.time()
+    items = prompts.sample(args.prompts_per_step, args.seed, step)[shard * per_shard:(shard + 1) * per_shard]
+    items = [it for it in items for _ in range(args.group_size)]  # each prompt's group stays together
+    inputs = prompts.condition(items, ctx.device)
+    plan_ar, plan_diff = grpo.choose_train_steps(len(model.ar_schedule(args.num_iter, model.seq_len)), args.train_ar_steps,
+                                                 diff_candidates, args.train_diff_steps, ctx.generator(3, step, shard=shard))
+    plan = rollout.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff)
+    with ctx.autocast():
+        tokens, record = rollout.record_rollout(model, inputs, args.num_iter, args.cfg, args.cfg_schedule,
+                                                args.temperature, plan, ctx.generator(4, step, shard=shard))
+        images = codec.decode(model.unpatchify(tokens).float())
+    t1 = time.time()
+    texts = prompts.texts(items)
+    scores, info = score(reward_fn, args.reward, images, texts, prompts.metas(items))
+    scores = scores.to(ctx.device)
+    adv = grpo.group_advantages(scores, args.group_size)
+    t2 = time.time()
+    # multi-trajectory expectation: S head trajectories from z_final, per-token uncertainty
+    seeds = uncertain = None
+    if cfg.mte_seeds >= 2:
+        seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
+                                        args.temperature, cfg.mte_seeds, plan.diff_steps, ctx.generator(5, step, shard=shard))
+        uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), cfg.top_k)
+    return dict(inputs=inputs, record=record, images=images, texts=texts, scores=scores, info=info, adv=adv,
+                seeds=seeds, uncertain=uncertain, olds=[None] * len(record.steps),
+                t_rollout=t1 - t0, t_reward=t2 - t1, t_mte=time.time() - t2)
+
+
+def grpo_train(args, ctx, cfg, base, base_path, codec, prompts, reward_fn):
+    """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL,
+    and the policy shares its frozen parameters); checkpoints (the trained parameters over
+    `base_path`), samples and metrics under args.out. Returns the final checkpoint path.
 
     cfg: grpo.GRPOConfig; codec: latents <-> images; prompts: Prompts; reward_fn: a rewards.Reward.
+    Each rank's share of a step's prompts runs as --grad-accum micro-batches whose gradients add up
+    before the one optimizer step, drawn exactly as world × --grad-accum processes would draw them.
     A step whose reward, advantage, loss or gradient is not finite on some rank changes nothing (no
     optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
     """
-    local_prompts = args.prompts_per_step // ctx.world  # divisibility: check_inputs
     ref = base  # the frozen reference of the KL
-    model = copy.deepcopy(base)
+    guided = args.cfg != 1.0 and cfg.train_cfg == "rollout"  # the loss reads the null condition
+    model = models.policy_copy(base, models.trainable_names(args, base, cfg.train_head, guided))
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
-    params = models.set_trainable(args, model, cfg.train_head)
+    params = [p for p in model.parameters() if p.requires_grad]
     diff_candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]  # what a rollout may record
     if not diff_candidates:
         raise ValueError(f"--min-diff-step {args.min_diff_step}: the head trains steps {list(model.diffloss.trainable_steps())}")
@@ -428,9 +476,10 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
     ckpt_dir, metrics_path = os.path.join(args.out, "ckpt"), os.path.join(args.out, "metrics.jsonl")
+    base_path = os.path.abspath(base_path)
     start, bad_total = 0, 0
     if args.resume != "no":
-        start, bad_total = checkpoints.resume_training(ckpt_dir, model, opt, args.resume == "yes",
+        start, bad_total = checkpoints.resume_training(ckpt_dir, model, opt, base_path, args.resume == "yes",
                                                        lambda msg: ctx.print0(msg, file=sys.stderr))
         if start:
             ctx.print0(f"resumed from step {start}")
@@ -438,50 +487,31 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         checkpoints.start_run_folder(args.out, start, args.keep_last, {**vars(args), "grpo": vars(cfg), "world_size": ctx.world})
     ctx.barrier()
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
-               f"world size {ctx.world}; {cfg}")
+               f"world size {ctx.world}" + (f" × {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
+               + f"; {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters; {cfg}")
 
-    G = args.group_size
-    bad_steps = 0  # non-finite steps in a row
+    A, G = args.grad_accum, args.group_size
+    bad_steps, parity_warned = 0, False  # non-finite steps in a row
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start, total=args.steps):
         last_step = step == args.steps - 1
-        t0 = time.time()
-        # --- rollout: this rank's prompts, G images each, recording the chosen steps
-        items = prompts.sample(args.prompts_per_step, args.seed, step)[ctx.rank * local_prompts:(ctx.rank + 1) * local_prompts]
-        items = [it for it in items for _ in range(G)]  # each prompt's group stays together
-        inputs = prompts.condition(items, ctx.device)
-        plan_ar, plan_diff = grpo.choose_train_steps(len(model.ar_schedule(args.num_iter, model.seq_len)), args.train_ar_steps,
-                                                     diff_candidates, args.train_diff_steps, ctx.generator(3, step))
-        plan = rollout.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff.to(ctx.device))
-        with ctx.autocast():
-            tokens, record = rollout.record_rollout(model, inputs, args.num_iter, args.cfg, args.cfg_schedule,
-                                                    args.temperature, plan, ctx.generator(4, step))
-            images = codec.decode(model.unpatchify(tokens).float())
-        t_rollout = time.time() - t0
+        # --- rollouts, rewards, MTE: this rank's micro-batches
+        batches = [collect(args, ctx, cfg, model, codec, prompts, reward_fn, step, ctx.rank * A + m, diff_candidates)
+                   for m in range(A)]
 
-        # --- reward and advantages
-        t1 = time.time()
-        scores, info = score(reward_fn, args.reward, images, prompts.texts(items), prompts.metas(items))
-        scores = scores.to(ctx.device)
-        adv = grpo.group_advantages(scores, G)
-        t_reward = time.time() - t1
-
-        # --- multi-trajectory expectation: S head trajectories from z_final, per-token uncertainty
+        # --- policy update: E inner epochs, one backward per trained AR step (DDP all-reduces on the
+        #     last micro-batch's last step); anything non-finite on any rank skips the optimizer step
         t2 = time.time()
-        seeds = uncertain = None
-        if cfg.mte_seeds >= 2:
-            seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                            args.temperature, cfg.mte_seeds, plan.diff_steps, ctx.generator(5, step))
-            uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), cfg.top_k)
-
-        # --- policy update: E inner epochs, one backward per trained AR step; anything non-finite
-        #     on any rank skips the optimizer step on every rank
-        olds = [None] * len(record.steps)
         skipped = False
         for epoch in range(cfg.inner_epochs):
-            step_stats, olds = policy.backward_rollout(loss_module, ctx.ddp, ref, record, inputs, adv, cfg,
-                                                seeds, uncertain, olds, ctx.autocast)
+            step_stats = []
+            for m, b in enumerate(batches):
+                stats, b["olds"] = policy.backward_rollout(loss_module, ctx.ddp, ref, b["record"], b["inputs"], b["adv"], cfg,
+                                                           b["seeds"], b["uncertain"], b["olds"], ctx.autocast,
+                                                           scale=1 / A, sync=m == A - 1)
+                step_stats += stats
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if all_finite(ctx, scores, adv, [s["loss"] for s in step_stats], grad_norm):
+            if all_finite(ctx, [b["scores"] for b in batches], [b["adv"] for b in batches],
+                          [s["loss"] for s in step_stats], grad_norm):
                 opt.step()
             else:
                 skipped = True
@@ -490,20 +520,32 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
         bad_steps = bad_steps + 1 if skipped else 0
         bad_total += skipped
 
-        # --- logging: scalars (tensors until here) are averaged over ranks with one sync
+        # --- logging: scalars (tensors until here) are reduced over ranks, one sync each for the
+        #     means and the maxima
+        scores, adv = torch.cat([b["scores"] for b in batches]), torch.cat([b["adv"] for b in batches])
+        images, texts = torch.cat([b["images"] for b in batches]), [t for b in batches for t in b["texts"]]
+        reward_means = [b["info"].get("means", {}) for b in batches]
         local = dict(reward_mean=scores.mean(), reward_std=scores.std() if len(scores) > 1 else 0.0,
                      adv_abs_mean=adv.abs().mean(), adv_max=adv.max(), grad_norm=grad_norm,
-                     diversity=evaluate.group_diversity(images, G), t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                     diversity=evaluate.group_diversity(images, G),
+                     **{key: sum(b[key] for b in batches) for key in ("t_rollout", "t_reward")},
+                     t_update=t_update + sum(b["t_mte"] for b in batches),
                      **{key: torch.stack([s[key] for s in step_stats if key in s]).float().mean()
-                        for key in step_stats[0]},
-                     **{f"reward/{name}": value for name, value in info.get("means", {}).items()})
-        row = {"step": step, **ctx.mean(local), "skipped": int(skipped), "bad_steps_total": bad_total}
+                        for key in step_stats[0] if key not in MAX_STATS},
+                     **{f"reward/{name}": sum(r[name] for r in reward_means) / A for name in reward_means[0]})
+        worst = {key: torch.stack([s[key] for s in step_stats]).float().max() for key in MAX_STATS if key in step_stats[0]}
+        row = {"step": step, **ctx.mean(local), **ctx.max(worst), "skipped": int(skipped), "bad_steps_total": bad_total}
         if ctx.master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if args.wandb:
                 import wandb
                 wandb.log(row, step=step)
+        if row["logp_parity_err"] > PARITY_WARN and not parity_warned:
+            parity_warned = True
+            ctx.print0(f"warning: step {step}: recorded and recomputed log-probabilities differ by up to "
+                       f"{row['logp_parity_err']:.3g} nats (> {PARITY_WARN}): the update does not evaluate the policy "
+                       "that sampled (see logp_parity_err in metrics.jsonl; train.py, PARITY_WARN)", file=sys.stderr)
         if skipped:
             ctx.print0(f"step {step}: non-finite reward, advantage, loss or gradient; update skipped "
                        f"({bad_steps} in a row, {bad_total} in all)")
@@ -513,16 +555,17 @@ def grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn):
                 raise Stop(f"{bad_steps} non-finite steps in a row (--max-bad-steps {args.max_bad_steps}); "
                            f"the last good checkpoint: {last}")
 
-        # --- once in a while: a sample grid, a checkpoint
+        # --- once in a while: a sample grid, a checkpoint (the trained parameters, over base_path)
         if ctx.master and (step % args.sample_every == 0 or last_step):
-            evaluate.save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(prompts.texts(items), scores.tolist())][:16],
+            evaluate.save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(texts, scores.tolist())][:16],
                                os.path.join(args.out, "samples", f"step_{step:06d}.png"))
         if (step + 1) % args.save_every == 0 or last_step:
             ctx.barrier()
             if ctx.master:
+                trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
                 checkpoints.save_step(ckpt_dir, step + 1, {
-                    "model": model.state_dict(), "config": model.config, "optimizer": opt.state_dict(), "step": step + 1,
-                    "args": vars(args), "grpo": vars(cfg), "bad_steps_total": bad_total}, args.keep_last)
+                    "model": trained, "base": base_path, "config": model.config, "optimizer": opt.state_dict(),
+                    "step": step + 1, "args": vars(args), "grpo": vars(cfg), "bad_steps_total": bad_total}, args.keep_last)
             ctx.barrier()
     if ctx.master and os.path.exists(metrics_path):
         evaluate.plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
@@ -565,14 +608,16 @@ def main(argv=None):
         if args.stage == "pretrain":
             return None
         base, codec, prompts = load_base(args, ctx, init)
-    final = grpo_train(args, ctx, cfg, base, codec, prompts, reward_fn)
+    final = grpo_train(args, ctx, cfg, base, init, codec, prompts, reward_fn)
 
     if args.stage == "all" and args.eval_prompts > 0:
         # --- evaluation of the base and the tuned model on the same prompts and seeds: held-out
         # compositions (eval/base, eval/tuned) and, for shapes prompts, the training split too
         # (eval/base_train, eval/tuned_train: prompts of the split RL draws from, with fresh seeds; a
         # short run draws few of these very prompts: 40 steps × 8 of the split's 452)
-        tuned = models.prepare_copy(args, models.load_policy(args, final), base).to(ctx.device)
+        trained = checkpoints.read_checkpoint(final, "--out")["model"]  # the tuned model shares base's frozen parts
+        tuned = models.policy_copy(base, trained).requires_grad_(False)
+        models.load_trained(tuned, trained, final)
         splits = ["heldout", "train"] if args.prompts is None and prompts.is_shapes else ["heldout"]
         report = {}
         for split in splits:
