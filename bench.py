@@ -98,8 +98,8 @@ def setting(args, model, items, prompts, device, codec=None, reward=None, seeds=
         for p in [p for k, p in model.diffloss.named_parameters() if "adaLN_modulation" in k or "final_layer.linear" in k]:
             p.normal_(0, 0.02)
     ref = model.to(device).eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    models.set_trainable(args, model, train_head=False)  # both methods compared keep the head fixed
+    # as train.py makes it; both methods compared keep the head fixed
+    model = models.policy_copy(ref, models.trainable_names(args, ref, False, args.cfg != 1.0))
     cfgs = {m: train.grpo_config(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
     cfgs["mar-grpo"].mte_seeds = seeds or cfgs["mar-grpo"].mte_seeds
     return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, cfgs=cfgs,
@@ -382,12 +382,12 @@ def bench_head_memory(args, opts, out):
     G images a process."""
     if args.model == "harmon":
         config = models.harmon_config(args)
-        c, (h, w) = config["mar"], config["image_shape"]  # the sampling grid: 32 × 32 tokens at 512 px
-        C, D, depth, width = c["vae_embed_dim"] * c["patch_size"] ** 2, c["decoder_embed_dim"], c["diffloss_d"], c["diffloss_w"]
-        L = h * w
+        c, p = config["mar"], config["mar"].get("patch_size", 1)
+        h, w = config.get("image_shape") or [c["img_size"] // c["vae_stride"] // p] * 2  # the released: 32 × 32 at 512 px
+        C, D, depth, width, L = c["vae_embed_dim"] * p ** 2, c["decoder_embed_dim"], c["diffloss_d"], c["diffloss_w"], h * w
     elif args.model.startswith("mar_"):
         ref = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size)
-        C, D, L = ref.token_embed_dim, ref.decoder_embed_dim, ref.seq_len
+        C, D, L = ref.token_embed_dim, ref.decoder_embed.out_features, ref.seq_len
         depth, width = len(ref.diffloss.net.res_blocks), ref.diffloss.net.model_channels
         del ref
     else:

@@ -5,8 +5,6 @@ reductions of the logged figures and of evaluation, no host sync in the head's p
 loops, and a trained AR step that holds one head graph at a time.
 """
 
-import contextlib
-import copy
 import json
 import os
 import socket
@@ -33,6 +31,7 @@ import test_harmon
 import test_margrpo
 import test_nova
 import train
+from bench import saved_activation_bytes
 from diffloss import DiffLoss
 from test_train_adapters import (DDPM, FLOW, harmon_files, harmon_flags, nova_common, nova_flags,  # noqa: F401 (fixtures)
                                  save_nova_pipeline)
@@ -302,22 +301,6 @@ def test_no_host_sync_in_head_sampling_recording_and_mte():
 # -----------------------------------------------------------------------------
 # A trained AR step holds one head graph at a time
 
-def saved_activation_bytes(fn, params=()):
-    """Run fn() and return (bytes of the distinct storages autograd saved for backward, excluding
-    parameters, fn's result)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 @pytest.mark.parametrize("train_head", [False, True])
 def test_checkpointed_head_keeps_values_gradients_and_one_graph(train_head):
     torch.manual_seed(0)
@@ -372,3 +355,12 @@ def test_a_trained_ar_step_holds_one_head_graph_whatever_k_and_s():
     one_graph, _ = saved_activation_bytes(
         lambda: rollout.transition_mean(model.diffloss, step.x_t[:1], step.diff_steps[:1], z, z, 2.0, False), params)
     assert 0 < saved[6] - saved[1] < one_graph, (saved, one_graph)
+
+
+def test_bench_head_memory_at_a_tiny_harmon(harmon_files, capsys):
+    import bench
+    res = bench.main(["--sections", "head_memory", "--preset", "adapter_smoke", "--model", "harmon", "--model-config",
+                      str(harmon_files["config"]), "--head-rows", "8"])["head_memory"]
+    assert res["scale"] == 9 * 2 / 8  # 3×3 tokens × G = 2 images, from 8 measured
+    assert res["after"] * 1.5 < res["before"]  # K = 2 steps and S × K = 4 seeds' graphs against one
+    assert "saved by the forward pass" in capsys.readouterr().out

@@ -11,8 +11,9 @@ Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL 
 `--stage all` (default: pretrain unless `--init` or a cached base exists, GRPO, then evaluation of
 base and tuned models; the demo's `--init` is its shipped base, `--init scratch` pretrains instead).
 The single-process path is the distributed path: DDP when torchrun sets RANK; rank 0 alone logs and
-writes. Every random draw of a step comes from a generator seeded by (seed, stage, step, rank) on the
-run's device, so a resumed run continues exactly.
+writes. Every random draw of a step comes from a generator seeded by (seed, stage, step, shard) on the
+run's device, a shard being a rank's micro-batch (the rank itself without --grad-accum), so a resumed
+run continues exactly and 1 process with --grad-accum A draws what A processes draw.
 
 When things go wrong: flags are checked when parsed (ranges, finiteness), cross-flag rules and
 files in `check_inputs`, then models, rewards and prompts are loaded, all before anything is
