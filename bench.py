@@ -3,8 +3,6 @@
     python bench.py                          # step, reward, flops, scaling at the demo config
     python bench.py --sections step,reward --preset smoke --repeats 1
     python bench.py --mar-base --threads 1   # mar_base: step and recording ratios (2 shared cores: ~35 min)
-    python bench.py --compile [--mar-base]   # torch.compile against eager (bench_official.compile_figures)
-    python bench.py --study main             # the study's tables: handed to study.py (docs/study.md)
     python bench.py --sections head_memory --preset harmon   # a trained AR step's head activations
 
 Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
@@ -12,7 +10,7 @@ with / without a plan, each step's parts, plain rollout images/s, record bytes),
 shapes verifier's images/s), flops (the update's transformer FLOP/s / a large matmul's), scaling
 (step time and record + MTE memory as S, G and tokens grow), mar_base (the official mar_base with
 random weights, measured at fewer AR and diffusion steps than train.py's mar_base preset and
-extrapolated to it by a cost model fitted to the same run), compile (compiled / eager), head_memory
+extrapolated to it by a cost model fitted to the same run), head_memory
 (the activations a trained AR step saves in the diffusion head, with and without recomputing each
 diffusion step's head call in the backward pass, at the preset's head size).
 
@@ -37,7 +35,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-import bench_official
 import grpo
 import mar
 import masks
@@ -48,7 +45,7 @@ import rewards
 import rollout
 import processes
 import shapes
-import train
+import flags
 import verifier
 from diffloss import DiffLoss
 from prompts import Prompts
@@ -100,7 +97,7 @@ def setting(args, model, items, prompts, device, codec=None, reward=None, seeds=
     ref = model.to(device).eval().requires_grad_(False)
     # as train.py makes it; both methods compared keep the head fixed
     model = models.policy_copy(ref, models.trainable_names(args, ref, False, args.cfg != 1.0))
-    cfgs = {m: train.grpo_config(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
+    cfgs = {m: flags.grpo_config(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
     cfgs["mar-grpo"].mte_seeds = seeds or cfgs["mar-grpo"].mte_seeds
     return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, cfgs=cfgs,
                            B=len(items), G=args.group_size, inputs=prompts.condition(items, device), codec=codec, reward=reward)
@@ -119,7 +116,7 @@ def mar_base_setting(opts, device):
     """The official mar_base (constructor + OFFICIAL_HEADS) with train.py's mar_base preset (one class
     prompt × G = 4, CFG 3, τ = 1, K = 10) at --base-steps' AR steps, diffusion steps and trained AR steps."""
     N, T, M = opts.base_steps.split(",")
-    args = train.parse_args(["--preset", "mar_base", "--prompts-per-step", "1", "--num-iter", N, "--num-sampling-steps", T,
+    args = flags.parse_args(["--preset", "mar_base", "--prompts-per-step", "1", "--num-iter", N, "--num-sampling-steps", T,
                              "--train-ar-steps", M])
     torch.manual_seed(0)
     model = mar.mar_base(**mar.OFFICIAL_HEADS["mar_base"], num_sampling_steps=str(args.num_sampling_steps))
@@ -332,7 +329,7 @@ def predict(u, st, N, T, m):
 
 
 def bench_mar_base(args, opts, out):
-    st, P = mar_base_setting(opts, opts.device), train.PRESETS["mar_base"]
+    st, P = mar_base_setting(opts, opts.device), flags.PRESETS["mar_base"]
     a, full_size = st.args, (P["num_iter"], P["num_sampling_steps"], P["train_ar_steps"])
     out("mar_base 256 px (official constructor + OFFICIAL_HEADS, random weights), MEASURED AT FEWER STEPS than train.py's "
         "preset ({} AR × {}, {} AR trained: hours per step on 2 CPU cores); no decoding or reward (need weights)".format(*full_size))
@@ -353,8 +350,6 @@ def bench_mar_base(args, opts, out):
         out(f"  model, the preset, {name} step: {total / 60:.0f} min here = " +
             ", ".join(f"{k} {v / total:.0%}" for k, v in full[key].items()))
     res.update(model_measured=here, model_preset=full, units=vars(u))
-    if opts.compile:
-        res["compile"] = bench_official.compile_figures(bench, out, opts.base_repeats, update_steps=1)
     return res
 
 
@@ -392,7 +387,7 @@ def bench_head_memory(args, opts, out):
         del ref
     else:
         raise ValueError(f"head_memory: --preset {opts.preset} (--model {args.model}): measured for harmon and mar_* presets")
-    cfg = train.grpo_config(args)
+    cfg = flags.grpo_config(args)
     K, S, R = args.train_diff_steps, cfg.mte_seeds, opts.head_rows
     U = max(1, round(cfg.top_k * R))  # uncertain rows among them
     scale = L * args.group_size / R
@@ -431,28 +426,18 @@ def bench_head_memory(args, opts, out):
                 time_ratio=res[True]["seconds"] / res[False]["seconds"])
 
 
-def bench_compile(args, opts, out):
-    bench = StepBench(demo_setting(args, opts.device), methods=()).run(0)  # one rollout and its MTE trajectories
-    return bench_official.compile_figures(bench, out, max(opts.repeats, 2))
-
-
 SECTIONS = dict(step=bench_step, reward=bench_reward, flops=bench_flops, scaling=bench_scaling,
-                mar_base=bench_mar_base, compile=bench_compile, head_memory=bench_head_memory)
+                mar_base=bench_mar_base, head_memory=bench_head_memory)
 DEFAULT = ["step", "reward", "flops", "scaling"]
 
 
 def main(argv=None):
-    """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}.
-    `python bench.py --study TABLE ...` and `--context-probe BASE` are study.py's (experiments, not
-    performance figures) and are handed to it."""
+    """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a.split("=")[0] in ("--study", "--context-probe") for a in argv):
-        import study
-        return study.main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: {','.join(DEFAULT)}, "
-      "or only what --mar-base / --compile ask for)")
+      "or only what --mar-base asks for)")
     a("--preset", default="demo", help="train.py preset whose sizes are benchmarked")
     a("--repeats", type=int, default=3, help="timed repeats per figure")
     a("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -460,16 +445,15 @@ def main(argv=None):
     a("--mar-base", action="store_true", help="the mar_base section")
     a("--base-steps", default="8,12,2", help="mar_base: AR, diffusion and trained AR steps measured (preset: 64,100,12)")
     a("--base-repeats", type=int, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
-    a("--compile", action="store_true", help="the compile section (with --mar-base: also at mar_base size)")
     a("--head-rows", type=int, default=64, help="head_memory: unknown tokens measured (then scaled to the preset)")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
     torch.set_num_threads(opts.threads or torch.get_num_threads())
-    sections = opts.sections.split(",") if opts.sections else ([] if opts.mar_base or opts.compile else list(DEFAULT))
-    sections += [s for s, flag in (("mar_base", opts.mar_base), ("compile", opts.compile)) if flag and s not in sections]
+    sections = opts.sections.split(",") if opts.sections else ([] if opts.mar_base else list(DEFAULT))
+    sections += ["mar_base"] if opts.mar_base and "mar_base" not in sections else []
     if any(s not in SECTIONS for s in sections):
         p.error(f"--sections {opts.sections}: choose from {', '.join(SECTIONS)}")
-    args = train.parse_args(["--preset", opts.preset] + rest)
+    args = flags.parse_args(["--preset", opts.preset] + rest)
     print(f"bench: preset {opts.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.device}. "
           "The figures are ratios within this run; absolute times on a shared machine are noise.", flush=True)
     results = {}

@@ -1,5 +1,5 @@
 """The diffusion head of MAR ("Diffusion Loss"), and the per-element log-probability of its
-sampling transitions (SPEC §1, §2, §10).
+sampling transitions (docs/method.md §1, §2, §10).
 
 A token x ∈ R^C is generated from a condition vector z ∈ R^D by T-step ancestral DDPM sampling
 with a small MLP `SimpleMLPAdaLN` that predicts the noise ε and the interpolation v of the
@@ -12,7 +12,7 @@ learned variance (improved-DDPM "learned range"):
 
 With classifier-free guidance the net runs on [z_cond; z_null] and only the ε channels are mixed,
 ε̂ = ε_u + w (ε_c − ε_u); the variance channels stay those of the conditional row, as in the
-official code. The policy log-probability of one transition, per element (SPEC §2), is
+official code. The policy log-probability of one transition, per element (docs/method.md §2), is
 
     ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t  (taken from the rollout)
 
@@ -20,8 +20,8 @@ Where this file departs from what one might expect:
 1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
    respaced exactly as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), computed once in
    float64 and kept as float32 buffers; the official code converts numpy arrays every step.
-2. x^T is *not* scaled by τ: the official code scales only the per-step noise (SPEC §1 writes
-   N(0, τ² I); official checkpoints are calibrated to the code). x^T enters no log-probability.
+2. x^T is *not* scaled by τ: the official code scales only the per-step noise (the paper's
+   N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no log-probability.
 3. With CFG, `x_t` has one copy (the guided rows) and `z` has 2N rows [cond; null]; the outputs
    equal the official sampler's first half.
 4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
@@ -245,7 +245,7 @@ def discretized_gaussian_log_likelihood(x, means, log_scales):
 
 
 # -----------------------------------------------------------------------------
-# The policy's per-element transition log-probability (SPEC §2)
+# The policy's per-element transition log-probability (docs/method.md §2)
 
 def transition_logprob(x_prev, mean, std):
     """ℓ = −(x_prev − μ)² / (2 s²) − log s − ½ log 2π, elementwise, no reduction.
@@ -262,7 +262,7 @@ def trainable_steps(num_steps):
     k = 0 adds no noise (no density). k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with
     α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the cosine schedule's β cap of 0.999), so the ε̂ rounding of
     float32 matmuls (~1e-7, and batch-layout dependent) moves μ by ~1e-3 σ and its log-probability
-    cannot be recomputed reproducibly (it fails the parity of SPEC §2). The released trainers
+    cannot be recomputed reproducibly (it fails the parity of docs/method.md §2). The released trainers
     record every step; we leave this one out and say so.
     """
     return range(1, num_steps - 1)
@@ -366,7 +366,7 @@ class DiffLoss(nn.Module):
 
     @torch.no_grad()
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
-        """Ancestral sampling of tokens from conditions (SPEC §1): `reverse_sample` with this head."""
+        """Ancestral sampling of tokens from conditions (docs/method.md §1): `reverse_sample` with this head."""
         return reverse_sample(self, z, self.in_channels, temperature, cfg, generator, record_steps)
 
 

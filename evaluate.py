@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import flags
 import models
-import rewards
 import processes
+import rewards
 import rollout
 import shapes
 
@@ -57,9 +58,9 @@ def generate(model, codec, inputs, args, generator):
 
 
 @torch.no_grad()
-def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag, score):
+def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
     """Generate args.eval_images_per_prompt images for each item, score them with reward_fn (via
-    `score`, train.py's guarded call), and write images/, results.jsonl (one line per image:
+    rewards.score, the guarded call), and write images/, results.jsonl (one line per image:
     prompt, file, reward, category, per-check details) and summary.json. Returns the summary."""
     model.eval()
     jobs = [(i, it) for i, it in enumerate(items) for _ in range(args.eval_images_per_prompt)]
@@ -72,7 +73,7 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag, s
         its = [it for _, it in chunk]
         with ctx.autocast():
             images = generate(model, codec, prompts.condition(its, ctx.device), args, ctx.generator(6, b0))
-        scores, info = score(reward_fn, args.reward, images, prompts.texts(its), prompts.metas(its))
+        scores, info = rewards.score(reward_fn, args.reward, images, prompts.texts(its), prompts.metas(its))
         details = info.get("details", [{}] * len(its))
         for k, ((i, it), img) in enumerate(zip(chunk, images)):
             rows.append(dict(index=i, prompt=prompts.texts([it])[0], reward=float(scores[k]),
@@ -190,25 +191,23 @@ SEED_STAGE = 10  # the table's generators: seeded(device, seed, SEED_STAGE, batc
 
 
 def table_parser():
-    import train  # train.py imports this module: import it when used
-    p = train.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
+    p = flags.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
                      "for every checkpoint with the same seeds, each scored by each --reward on its own.",
                      epilog="Every other flag is train.py's (python train.py --help): --model, --preset, --prompts, "
                             "--seed, --reward (names, comma-separated), --reward-ckpt, the sampling flags.")
     a = p.add_argument
     a("--ckpt", action="append", default=[], metavar="NAME=PATH", help="a checkpoint and its row name (repeatable; "
       "NOVA: the first is the pipeline folder whose vae/ decodes, unless --vae)")
-    a("--images-per-prompt", type=train.POS_INT, default=1, help="images generated per prompt and checkpoint")
-    a("--batch-size", type=train.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
+    a("--images-per-prompt", type=flags.POS_INT, default=1, help="images generated per prompt and checkpoint")
+    a("--batch-size", type=flags.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
     a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, table.json")
     return p
 
 
 def parse_table_args(argv=None):
     """This file's flags, then train.py's for the rest; checks the inputs (`check_table_inputs`)."""
-    import train
     own, rest = table_parser().parse_known_args(argv)
-    args = train.parse_args(rest)
+    args = flags.parse_args(rest)
     args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
     args.ckpts = parse_ckpts(own.ckpt)
     args.init = args.ckpts[0][1]  # where models.load_codec looks for NOVA's vae/ folder
@@ -242,28 +241,13 @@ def reward_names(spec):
 
 def check_table_inputs(args):
     """Files and cross-flag rules, before anything is loaded or written: one-line errors naming the flag."""
-    import checkpoints, prompts
-    for name in ("prompts", "vae", "tokenizer", "prompt_embeds"):
-        path = getattr(args, name)
-        if path is not None and not os.path.exists(path):
-            raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
-    if args.model not in ("small", "nova") and args.vae is None:
-        raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
-    if args.model in ("harmon", "nova") and args.prompts is None:
-        raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
-    if args.prompts is not None and args.model in ("small", "harmon", "nova"):
-        prompts.read_prompt_file(args.prompts, "shapes" if args.model == "small" else "text")  # a typo fails now
-    names = reward_names(args.reward)
-    if "shapes" in names and args.model != "small":
-        raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} does not draw them")
-    rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    checkpoints.check_writable(args.out, "--out")
+    flags.check_model_inputs(args, reward_names(args.reward))
 
 
 @torch.no_grad()
-def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_dir, score):
+def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_dir):
     """args.images_per_prompt images for each of `items`, each scored by every reward of
-    `reward_fns` ({name: Reward}) through `score` (train.score). Batch b of the (prompt, image)
+    `reward_fns` ({name: Reward}) through rewards.score. Batch b of the (prompt, image)
     list runs on rank b mod world with the generator seeded by (args.seed, SEED_STAGE, b). Every
     rank writes its images to out_dir/images/; rank 0 writes out_dir/scores.jsonl. Returns the
     rows of scores.jsonl, sorted (every rank gets all of them)."""
@@ -280,7 +264,7 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
                               processes.seeded(ctx.device, args.seed, SEED_STAGE, b))  # (B, 3, H, W) in [0, 1]
         columns = {}
         for name, reward_fn in reward_fns.items():
-            scores, info = score(reward_fn, name, images, texts, metas)  # (B,)
+            scores, info = rewards.score(reward_fn, name, images, texts, metas)  # (B,)
             columns[name] = scores.tolist()
             if name == "shapes":  # accuracy: every check of the verifier passes
                 columns["shapes_accuracy"] = [float(d["correct"]) for d in info["details"]]
@@ -337,7 +321,6 @@ def main(argv=None):
     """`python evaluate.py ...`: check the inputs, build the rewards, then for each checkpoint in
     turn load, generate, score and write; rank 0 writes and prints the table. Returns the table
     dict (also DIR/table.json); an empty dict on ranks > 0."""
-    import train
     args = parse_table_args(argv)
     ctx = processes.Ctx(args)
     weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
@@ -360,8 +343,7 @@ def main(argv=None):
                          seed=args.seed, batch_size=args.batch_size, model=args.model, prompts=args.prompts,
                          args={k: v for k, v in vars(args).items() if k != "ckpts"})
         # --- generate and score; the row's mean ± SEM per column
-        rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns,
-                                  os.path.join(args.out, name), train.score)
+        rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, os.path.join(args.out, name))
         table["rows"].append(table_row(name, path, rows, columns))
         del model  # before the next one is loaded
     if not ctx.master:
@@ -375,9 +357,8 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """main() with failures said in one line on stderr, exactly as train.py's (train.cli)."""
-    import train
-    return train.cli(argv, entry=main)
+    """main() with failures said in one line on stderr, as train.py's (processes.cli)."""
+    return processes.cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The GRPO objective of MAR-GRPO on plain tensors (SPEC §6, §7). Nothing here knows about MAR.
+"""The GRPO objective of MAR-GRPO on plain tensors (docs/method.md §6, §7). Nothing here knows about MAR.
 
 For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
 
@@ -22,13 +22,13 @@ What the paper says, what the released code does, and what this file does:
 4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
    its KL by its unknown elements, and each step is backpropagated on its own. Released: the
    per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
-   is their mean). Here: L = −mean_i(…) as SPEC §6 writes it (policy.backward_rollout divides
+   is their mean). Here: L = −mean_i(…) as docs/method.md §6 writes it (policy.backward_rollout divides
    each step by their number): the same direction, 1/#steps the size before clipping.
 5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. Here:
    drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
    (never the pure-noise step; see diffloss.py).
 6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
-   step (SPEC §5). But only P_i is written into the image at step i; on U_i outside P_i the head's
+   step (docs/method.md §5). But only P_i is written into the image at step i; on U_i outside P_i the head's
    samples are previews that are thrown away and drawn again later, so for grpo and
    grpo-fixed-head their term has zero mean whatever the reward (pure variance), and under the
    consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. Here: the
@@ -43,7 +43,7 @@ import torch
 
 @dataclass
 class GRPOConfig:
-    """Everything the objective needs to know; `METHODS` name the paper's variants (SPEC §7)."""
+    """Everything the objective needs to know; `METHODS` name the paper's variants (docs/method.md §7)."""
     beta: float = 0.01            # KL weight β
     kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"
     clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
@@ -76,7 +76,7 @@ class GRPOConfig:
         return self
 
 
-# the variants the paper compares (SPEC §7); every field can still be overridden by its flag
+# the variants the paper compares (docs/method.md §7); every field can still be overridden by its flag
 METHODS = {
     "grpo": dict(train_head=True, mte_seeds=0, tau=None),
     "grpo-fixed-head": dict(train_head=False, mte_seeds=0, tau=None),
@@ -132,7 +132,7 @@ KL_KINDS = ("gaussian", "k3", "mean-k3")
 
 
 def kl_term(kind, mean, mean_ref, std, logp=None, logp_ref=None):
-    """The per-element KL penalty of SPEC §6 named by --kl; all inputs of one shape, returns it."""
+    """The per-element KL penalty of docs/method.md §6 named by --kl; all inputs of one shape, returns it."""
     if kind == "gaussian":
         return kl_gaussian(mean, mean_ref, std)
     if kind == "k3":
@@ -165,7 +165,7 @@ def ar_step_objective(pi_term, keep, kl, beta):
 
 
 def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator):
-    """Which AR steps and diffusion steps a rollout records (SPEC §3), before it starts.
+    """Which AR steps and diffusion steps a rollout records (docs/method.md §3), before it starts.
 
     num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
     diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them.

@@ -1,5 +1,5 @@
 """Harmon (Wu et al. 2025, GitHub wusize/Harmon) as a MAR-family policy (the second system of
-MAR-GRPO; shared/fixtures/README_adapters.md, "Harmon").
+MAR-GRPO; fixtures/README_adapters.md, "Harmon").
 
 Harmon is a MAR encoder/decoder with the LTH14 diffusion head (the project's `mar.MAR` and
 `DiffLoss`, built with Harmon's sizes so the `mar.*` keys are the official ones) whose encoder

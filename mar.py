@@ -1,4 +1,4 @@
-"""MAR: masked autoregressive image generation with a diffusion head (SPEC §1, §3, §10).
+"""MAR: masked autoregressive image generation with a diffusion head (docs/method.md §1, §3, §10).
 
 The model is the official one (Li et al. 2024, GitHub LTH14/mar), with the same module names,
 so official checkpoints load with `strict=True`:
@@ -330,7 +330,7 @@ class MAR(nn.Module):
     @torch.no_grad()
     def sample_tokens(self, bsz, num_iter=64, cfg=1.0, cfg_schedule="linear", labels=None, temperature=1.0,
                       progress=False, generator=None, prompt_ids=None, orders=None):
-        """Generate latent images (SPEC §1): the official loop, without RL recording (rollout.py).
+        """Generate latent images (docs/method.md §1): the official loop, without RL recording (rollout.py).
 
         bsz: images; num_iter: AR steps N; cfg: guidance w (the batch is doubled internally when
         w != 1); cfg_schedule: "linear" (w rises with the fraction generated, as Muse) or

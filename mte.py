@@ -1,4 +1,4 @@
-"""Multi-Trajectory Expectation (MTE, SPEC §4): average the policy term of uncertain tokens over
+"""Multi-Trajectory Expectation (MTE, docs/method.md §4): average the policy term of uncertain tokens over
 several diffusion trajectories of the frozen head, to cut the noise the head's sampling puts into
 the policy gradient.
 
@@ -17,7 +17,7 @@ What the paper says, what the released code does, and what this file does:
    S × B × L rows with a passed generator (`sample_trajectories`).
 2. Released: the seed trajectories were drawn under z_final but their log-probabilities are
    evaluated under z_i of the trained AR step. Here: the same, as the default (it is what was
-   published; SPEC §4): `seed_logprobs`; `--mte-positions predicted` restricts it to P_i (policy.py).
+   published; docs/method.md §4): `seed_logprobs`; `--mte-positions predicted` restricts it to P_i (policy.py).
 3. Released: every seed's log-probability uses the rollout trajectory's s. Here: each seed uses
    its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's scale
    per element can differ, and only where σ depends on x^t.
@@ -62,7 +62,7 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
 
 def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
     """ℓ_θ of the seed trajectories at one trained AR step, evaluated under that step's z_i
-    (SPEC §4, item 2 above), dense over U_i.
+    (docs/method.md §4, item 2 above), dense over U_i.
 
     head: the policy's head; seeds: dict from `sample_trajectories`; step: a rollout.StepRecord
     (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
@@ -88,7 +88,7 @@ def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
 
 
 def mte_policy_term(term_rollout, term_seeds, uncertain):
-    """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element (SPEC §4).
+    """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element (docs/method.md §4).
 
     term_rollout: (K, B, n, C) surrogate ρ⁽⁰⁾A of the rollout trajectory;
     term_seeds: (S, K, B, n, C) surrogates ρ⁽ˢ⁾A of the S seed trajectories (same advantages);

@@ -1,5 +1,5 @@
 """The policy under GRPO: evaluate a recorded rollout with the current weights and form the loss
-of one trained AR step (SPEC §2–§6). Model-agnostic: it calls only the policy interface of
+of one trained AR step (docs/method.md §2–§6). Model-agnostic: it calls only the policy interface of
 rollout.py (MAR, Harmon and NOVA implement it). This is where z from the model, the head's
 transition Gaussians, mte.py, masks.py and grpo.py meet; train.py only calls `rollout_loss`.
 
@@ -8,7 +8,7 @@ Layout: at AR step i the record holds the n = |U_i| unknown positions of each im
 
 What this file decides, and why:
 1. The transformer runs in eval mode (no dropout, no condition drop) with gradients, so the
-   recomputed ℓ of a fresh rollout equals the recorded one (the parity of SPEC §2), and the first
+   recomputed ℓ of a fresh rollout equals the recorded one (the parity of docs/method.md §2), and the first
    inner epoch has ρ ≡ 1 exactly.
 2. `--train-cfg rollout` (default) recomputes μ with the rollout's guidance: z of the condition
    and of the null condition both come from the policy, mixed with the step's w. `--train-cfg 1`

@@ -8,6 +8,8 @@ does; rank 0 alone prints and writes; scalars are all-reduced before they are lo
 import contextlib
 import datetime
 import os
+import sys
+import traceback
 
 import numpy as np
 import torch
@@ -100,3 +102,25 @@ def all_finite(ctx, *values):
 class Stop(RuntimeError):
     """The run stops on purpose (repeated non-finite steps, a failing reward): `cli` prints the
     reason as one line, after the traceback of the code that caused it, and exits with status 1."""
+
+
+def cli(entry, argv=None):
+    """Run `entry(argv)` (train.main, evaluate.main) with failures said in one line on stderr
+    (`error: ...`, or `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no
+    traceback, exit status 2. A deliberate stop (Stop): exit status 1. Anything else is a bug and
+    keeps Python's traceback. Returns the exit status."""
+    where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
+    try:
+        entry(argv)
+        return 0
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 2
+    except Stop as e:
+        if e.__cause__ is not None:  # e.g. the reward's own traceback: where it failed
+            traceback.print_exception(e.__cause__)
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -15,7 +15,7 @@ weights={...})` parses the `--reward` spec and returns the weighted sum of its r
 
     r_b = sum_k w_k r_k,b          info["components"][k] = r_k (B,), info["means"][k] = mean_b r_k,b
 
-(the means are unweighted, one per component, for logging). SPEC section 8 uses HPS v2.1.
+(the means are unweighted, one per component, for logging). The released runs use HPS v2.1 (docs/method.md §8).
 
 This file holds the interface, the spec parser, `build_reward`, the reading of weight files that
 the model-based rewards share, and the rewards that need no model (shapes, JPEG). The model-based
@@ -28,7 +28,6 @@ Rewards, the weight files they need, and where those files are published
 | `--reward` name | score | `weights` key -> file | where the official file is published |
 |---|---|---|---|
 | `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in shapes.py) |
-| `shapes_coverage` | a hackable proxy: the mean fraction of pixels in each of the prompt's colours (study only) | none | - |
 | `jpeg_compressibility` | -(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `jpeg_incompressibility` | +(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `clip_score` | 100 * cos(image, prompt) | `clip_score` -> `ViT-L-14.pt` for the default `model_name="ViT-L-14-quickgelu"`; any open_clip checkpoint of the `model_name` you choose | OpenAI CLIP release (`https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt`, the file `clip.load("ViT-L/14")` fetches) or HF `openai/clip-vit-large-patch14` `model.safetensors`; other archs: the `open_clip_pytorch_model.bin` of their HF repo (e.g. `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` with `model_name="ViT-H-14"`) |
@@ -56,6 +55,7 @@ import numpy as np
 import torch
 
 import checkpoints
+from processes import Stop
 
 REWARD_FLAG = "--reward"      # the spec flag, named in errors
 CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
@@ -220,6 +220,18 @@ def build_reward(spec, *, device="cpu", weights=None, options=None, **kwargs):
     return WeightedSum(components)
 
 
+def score(reward_fn, spec, images, texts, metas):
+    """reward_fn(images, texts, metas); a reward that raises stops the run (Stop) with the reward's
+    name and the batch's prompts, its own traceback kept as the cause."""
+    try:
+        return reward_fn(images, texts, metas)
+    except Exception as e:
+        unique = list(dict.fromkeys(texts))
+        shown = unique[:8] + ([f"... {len(unique)} prompts in all"] if len(unique) > 8 else [])
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise Stop(f"--reward {spec!r} failed on the prompts {shown}: {type(e).__name__}: {reason}") from e
+
+
 # -----------------------------------------------------------------------------
 # Weight files (shared by the model-based rewards)
 
@@ -323,28 +335,6 @@ class ShapesReward(Reward):
         return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
 
 
-class ShapesCoverageReward(ShapesReward):
-    """A deliberately hackable proxy of the shapes world, for the reward-hacking study (docs/study.md):
-    the mean, over the colours the prompt asks for, of the fraction of pixels of that colour,
-
-        r = 1/|C| sum_{c in C} #{pixels nearest to colour c} / (H W),   C = the prompt's colours,
-
-    pixels assigned to the nearest of black and the palette as the verifier does. It rises with
-    the right colours on the canvas, so it correlates with the verifier's score, but it pays more
-    for more paint: large blobs score higher than the asked shapes, counts and sizes."""
-
-    name = "shapes_coverage"
-
-    def score(self, images, prompts, metadata):
-        classes = self.verifier.nearest_colour(images.cpu().permute(0, 2, 3, 1).numpy())  # (B, H, W), 0 = black
-        names = list(self.shapes.COLORS)  # colour k is class k + 1
-        scores = []
-        for b, meta in enumerate(self.metas(prompts, metadata)):
-            asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
-            scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
-        return torch.tensor(scores, dtype=torch.float32), {}
-
-
 def jpeg_size_kb(images, quality=95):
     """JPEG file size in kB (1000 bytes) of each image at `quality`, DDPO's measure.
     images: (B, 3, H, W) in [0, 1]. Returns (B,) float32."""
@@ -386,7 +376,6 @@ def _built_from(module, cls_name):
 _CLIP_OPTIONS = {"model_name", "dtype", "batch_size"}
 REWARDS = {
     "shapes": (ShapesReward, (), set()),
-    "shapes_coverage": (ShapesCoverageReward, (), set()),
     "jpeg_compressibility": (lambda device="cpu": JpegReward(-1.0, device), (), set()),
     "jpeg_incompressibility": (lambda device="cpu": JpegReward(+1.0, device), (), set()),
     "clip_score": (_built_from("clip_rewards", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),

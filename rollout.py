@@ -1,4 +1,4 @@
-"""Recording a rollout for RL, for any model of the MAR family (SPEC §1, §3).
+"""Recording a rollout for RL, for any model of the MAR family (docs/method.md §1, §3).
 
 The policy interface (what this file, policy.py and mte.py call on a model; mar.py, harmon.py and
 nova.py implement it, and nothing outside a model's own file knows which one it is):
@@ -18,7 +18,7 @@ nova.py implement it, and nothing outside a model's own file knows which one it 
 attention_mask; NOVA: prompt_embeds). The condition is embedded by the model itself, here and again
 when the loss recomputes z, so that gradients reach whatever part of the model embeds it.
 
-What a rollout records (SPEC §3), for each chosen AR step i only, so memory scales with the chosen
+What a rollout records (docs/method.md §3), for each chosen AR step i only, so memory scales with the chosen
 steps: the canvas, U_i, P_i, the head's chosen transitions on *all* unknown positions U_i (not only
 P_i), and the previews x̂0 of steps i and i−1; after the last step the final tokens and, for every
 position, the z (and null z, and guidance w) it was generated from.
@@ -124,7 +124,7 @@ def guidance_weight(cfg, cfg_schedule, num_unknown_next, seq_len):
 @torch.no_grad()
 def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0, plan=None,
                    generator=None, orders=None):
-    """Generate B token grids with `model` and record the steps of `plan` (SPEC §3).
+    """Generate B token grids with `model` and record the steps of `plan` (docs/method.md §3).
 
     model: implements the policy interface above; inputs: dict of condition inputs for
     model.condition, batch B; num_iter: AR steps N; cfg: guidance w (the batch is doubled with the
@@ -225,7 +225,7 @@ def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
     steps = step_list(steps)
 
     # one call per diffusion step with an int step, as the sampler makes it: the same arithmetic,
-    # so recomputed and recorded log-probabilities agree to float rounding (SPEC §2)
+    # so recomputed and recorded log-probabilities agree to float rounding (docs/method.md §2)
     def mean_at(x, rows, k):
         return head.p_mean_variance(x, k, rows, w)[0]
     store = checkpoint_head and torch.is_grad_enabled()

@@ -1,5 +1,5 @@
 """Tests of the Harmon adapter (harmon.py): parity with the official code's numbers
-(shared/fixtures/harmon_tiny_official.pt, README_adapters.md), the released models' state-dict
+(fixtures/harmon_tiny_official.pt, fixtures/README_adapters.md), the released models' state-dict
 layout, and the policy interface's log-probability parity on tiny random models. CPU, seconds."""
 
 import json
@@ -15,9 +15,7 @@ from diffloss import transition_logprob
 
 torch.set_num_threads(1)
 
-FIXTURES = Path(__file__).resolve().parent.parent / "shared" / "fixtures"
-needs_fixtures = pytest.mark.skipif(not (FIXTURES / "harmon_tiny_official.pt").is_file(),
-                                    reason=f"Harmon fixtures not found in {FIXTURES} (shared/ beside the checkout)")
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # the official code run on tiny models (README_adapters.md)
 
 
 def rel_err(a, b):
@@ -73,7 +71,6 @@ def canvas(model, bsz, known, generator, image_shape=None):
 # -----------------------------------------------------------------------------
 # parity with the official code (fixture)
 
-@needs_fixtures
 def test_strict_load_and_condition_match_official(official):
     fx, model = official
     own = model.state_dict()
@@ -88,7 +85,6 @@ def test_strict_load_and_condition_match_official(official):
     assert torch.equal(null["input_ids"], fx["null_input_ids"])
 
 
-@needs_fixtures
 def test_z_matches_official_every_ar_step(official):
     """z of every AR step of the official rollout (8×8 grid, off-native: resized position tables),
     cond and null rows each alone, and both stacked as the recorder does; the encoder output
@@ -115,7 +111,6 @@ def test_z_matches_official_every_ar_step(official):
     assert fx["tokens"][-1].abs().max() > 100
 
 
-@needs_fixtures
 def test_z_matches_official_native_grid(official):
     fx, model = official
     nat = fx["native"]
@@ -127,7 +122,6 @@ def test_z_matches_official_native_grid(official):
             assert rel_err(z, ref) < 1e-4
 
 
-@needs_fixtures
 def test_head_matches_official_p_mean_variance(official):
     fx, model = official
     head = fx["head"]
@@ -155,7 +149,6 @@ def test_head_matches_official_p_mean_variance(official):
     assert max(rel_err(head["mean_cfg"][k], head["mean"][k]) for k in head["t"]) > 5e-4
 
 
-@needs_fixtures
 def test_ar_schedule_matches_official_masks(official):
     fx, model = official
     L, N = fx["orders"].shape[1], fx["sample"]["num_iter"]
@@ -171,7 +164,6 @@ def test_ar_schedule_matches_official_masks(official):
     assert model.ar_schedule(8, 4) == [1, 1, 1, 1]
 
 
-@needs_fixtures
 def test_real_configs_match_released_state_dicts():
     ref = json.loads((FIXTURES / "harmon_state_dict.json").read_text())
     assert set(harmon.CONFIGS) == set(ref)

@@ -18,10 +18,17 @@ from diffloss import DiffLoss, transition_logprob
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
 
-# verbatim copies of the project's shared/fixtures (official state-dict keys and shapes), kept in
-# the repository so that a clean checkout tests against them
+# the official models' state-dict listings and tiny official Harmon / NOVA runs (fixtures/README_adapters.md)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SHARED_FIXTURES = Path(__file__).resolve().parent.parent / "shared" / "fixtures"
+FIXTURE_SHA256 = {
+    "README_adapters.md": "7b631887820239b23449071f66384a53ea37221a993c183c212d62a6e6842148",
+    "harmon_state_dict.json": "b50d180508b73a351f54216ecfabe670fac970f59fadba6f693fb1e5d78f2970",
+    "harmon_tiny_official.pt": "c8cb7a3c6a77ac3117471376dd5ebc21485fa99d82b468eb7b51ac403790a546",
+    "kl16_vae_state_dict.json": "6d4b7dcf56bddf2a27aef7f6189307a8bf74dbe8f487defe6a43c1de11a2fb8b",
+    "mar_official_state_dict.json": "061600d1b671bb8a0a693558b42d4f92643a7f32914c39ff1784bbbac6a1a420",
+    "nova_state_dict.json": "962f90177fd61c63b8b272ed9c1a91dfc3a6e2f505727d7e40cb02cd2a7b386b",
+    "nova_tiny_official.pt": "6406b85b0d3441abd98b771f76a6db93a6e81fdd331c5a62816d6922439624d7",
+}
 
 
 def tiny_mar(**kw):
@@ -235,10 +242,12 @@ def test_diffloss_training_loss_decreases():
 # -----------------------------------------------------------------------------
 # mar.py
 
-@pytest.mark.skipif(not SHARED_FIXTURES.exists(), reason="no shared/ beside this checkout")
-def test_fixture_copies_are_verbatim():
-    for name in ("mar_official_state_dict.json", "kl16_vae_state_dict.json"):
-        assert (FIXTURES / name).read_bytes() == (SHARED_FIXTURES / name).read_bytes()
+def test_fixtures_are_the_recorded_files():
+    """The fixtures are data made by the official code: never edited (their sha256 pinned here)."""
+    import checkpoints
+    assert sorted(p.name for p in FIXTURES.iterdir()) == sorted(FIXTURE_SHA256)
+    for name, digest in FIXTURE_SHA256.items():
+        assert checkpoints.sha256(FIXTURES / name) == digest, name
 
 
 @pytest.mark.parametrize("name", ["mar_base", "mar_large", "mar_huge"])
@@ -581,7 +590,7 @@ def test_record_memory_scales_with_chosen_steps():
 
 
 def test_recomputed_logp_equals_recorded():
-    """SPEC §2 parity at training batch shapes: ρ = 1 to 1e-5 (the objective's value and gradient
+    """docs/method.md §2 parity at training batch shapes: ρ = 1 to 1e-5 (the objective's value and gradient
     with every term active are pinned in test_objective.py)."""
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0, temperature=0.8)
@@ -771,7 +780,7 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
 
 
 def test_mte_seed_gradient_has_zero_mean_where_the_seeds_were_drawn():
-    """A property of MTE (SPEC §4; docs/research_log.md): the seeds are head trajectories drawn under
+    """A property of MTE (docs/method.md §4; docs/research_log.md): the seeds are head trajectories drawn under
     z_final, with each token's τ and w. On P_i they are evaluated under that same z (z_i = z_final),
     so each seed's ∇_z ℓ is the score of the distribution it was drawn from, whose mean is zero:
     E_{x ~ p(·|z)} ∇_z log p(x | z) = 0. The seeds' term (1/S) Σ_s ρ⁽ˢ⁾A therefore carries no
@@ -1048,96 +1057,3 @@ def test_bench_sections_run_at_smoke_size(capsys):
     assert 0.99 < sum(step["shares"].values()) < 1.01 and step["shares"]["mte"] > 0  # the MAR-GRPO step's parts
     assert 0 < res["flops"]["utilisation"] and res["reward"]["verifier_images_per_s_32px"] > 0
     assert "MAR-GRPO step / fixed-head GRPO step" in capsys.readouterr().out
-
-
-def test_context_probe_metric(smoke_base, monkeypatch):
-    """study.context_probe: a head that always samples black is wrong on exactly the coloured
-    unknown tokens, so with the whole canvas unknown its colour error is the coloured fraction."""
-    import study
-    model = models.load_checkpoint(smoke_base)
-    monkeypatch.setattr(model.diffloss, "sample", lambda z, **kw: torch.full((z.shape[0], model.token_embed_dim), -1.0))
-    res = study.context_probe(model, mar.PixelCodec(), n_images=16, known_fracs=(0.0, 0.5))
-    assert 0.05 < res["coloured_frac"] < 0.6
-    assert res[0.0]["colour_error"] == pytest.approx(res["coloured_frac"], abs=1e-6)
-
-
-def test_linear_probe_separates_an_oracle_from_noise(smoke_base, monkeypatch):
-    """study.linear_probe: z that holds the colour state of its token scores 1.0; z of pure noise
-    scores about the base rate (the majority class)."""
-    import study
-    model = models.load_checkpoint(smoke_base)
-    real = model.predict_z
-    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: study._coloured(tokens)[..., None].repeat(1, 1, 4))
-    accuracy, base_rate = study.linear_probe(model, mar.PixelCodec(), 0.5, n_images=32)
-    assert accuracy == 1.0 and 0.5 <= base_rate < 0.95
-    g = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: torch.randn(real(tokens, mask, cond).shape, generator=g))
-    accuracy, base_rate = study.linear_probe(model, mar.PixelCodec(), 0.5, n_images=32)
-    assert abs(accuracy - base_rate) < 0.08
-
-
-def test_context_probe_renders_the_presets_world(smoke_base, monkeypatch, capsys):
-    """study.py --context-probe probes a base in its own world: with --cell 8 every image of both
-    probes has its objects in 8-px cells (the demo's preset sets it), without it they are free."""
-    import shapes
-    import study
-    for flags, cell in (([], 0), (["--cell", "8"], 8)):
-        seen = []
-        make = shapes.make_dataset
-        monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k.get("cell", 0)) or make(*a, **k))
-        study.main(["--preset", "smoke", "--context-probe", str(smoke_base), *flags])
-        monkeypatch.undo()
-        assert len(seen) == 5 and set(seen) == {cell}  # context probe; linear probe fit + test at 50, 90%
-    assert "in 8-px cells" in capsys.readouterr().out
-
-
-def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
-    """study.py --study hack at toy size: a base is pretrained (the smoke preset ships none), each
-    arm trains on the proxy with the verifier logged beside it, its last checkpoint and the base are
-    evaluated, and the report holds one row per arm; a second call starts no process."""
-    import bench
-    import study
-    out = tmp_path / "study"
-    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
-    summary = study.main(argv)["hack"]
-    assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
-    for stats in summary.values():
-        assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
-        assert 0 <= stats["train_acc@2"][0] <= 1 and stats["grad_norm_max"][0] >= stats["grad_norm_mean"][0] > 0
-    rows = [json.loads(line) for line in open(out / "hack" / "mar-grpo" / "seed0" / "metrics.jsonl")]
-    assert len(rows) == 2 and {"reward/shapes_coverage", "reward/shapes"} <= set(rows[0])
-    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward/shapes_coverage"])  # trained on the proxy
-    for name in ("hack.md", "hack.png", "hack_samples.png", "base/eval_train_0/summary.json"):
-        assert (out / name).exists(), name
-    capsys.readouterr()
-    again = bench.main(argv)["hack"]  # bench.py hands --study to study.py
-    assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
-    with pytest.raises(SystemExit):
-        study.main(["--study", "nope"])
-
-
-def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
-    """study.noise_probe: with a head of σ = 1 whose mean is 0 but at the last step (where it
-    returns x_t), a token is step 1's noise, so redrawing any other step's noise changes no token and
-    redrawing step 1's changes most; with a head that ignores its noise (tokens a function of z),
-    the images of a group that shares one order are identical (within-group reward variance 0), and
-    those of a group with an order per image are not."""
-    import rewards
-    import study
-    model = models.load_checkpoint(smoke_base)
-    head = model.diffloss
-    last_noise = lambda x, t, z, cfg=1.0: (x if int(t) == 0 else 0 * x, 0 * x, x)  # noqa: E731  (mean, log σ², x̂0)
-    monkeypatch.setattr(head, "p_mean_variance", last_noise)
-    res = study.noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
-                            n_prompts=3, group=2)
-    assert set(res["flip_at_step"]) == set(range(1, head.num_sampling_steps))
-    assert all(res["flip_at_step"][k] == 0 for k in res["flip_at_step"] if k > 1)
-    assert res["flip_at_step"][1] > 0.5 and res["flip_all"] > 0.5 and len(res["flip_by_ar_step"]) == 4
-    monkeypatch.undo()
-    C = model.token_embed_dim
-    monkeypatch.setattr(head, "sample", lambda z, temperature=1.0, cfg=1.0, generator=None, record_steps=None:
-                        torch.sin(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(0.01, 1, C)))
-    brightness = lambda images, texts, metas: (images.mean(dim=(1, 2, 3)), {})  # noqa: E731  differs with the order
-    res = study.noise_probe(model, mar.PixelCodec(), brightness, num_iter=4, cfg=3.0, n_prompts=3, group=2)
-    assert res["reward_var_free_order"] > 0
-    assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0

@@ -1,5 +1,5 @@
 """Tests of nova.py / nova_heads.py: parity with the official NOVA code at a tiny configuration
-(shared/fixtures/nova_tiny_official.pt, README_adapters.md), the released configurations' state
+(fixtures/nova_tiny_official.pt, fixtures/README_adapters.md), the released configurations' state
 dicts, another tiny size, recorded = recomputed transition log-probabilities for both heads,
 checkpoint loading and its errors, and the Phi-2 prompt embedding. CPU, tiny shapes, seeded."""
 
@@ -18,9 +18,8 @@ from diffloss import transition_logprob
 
 torch.set_num_threads(1)
 
-FIXTURES = Path(__file__).resolve().parent.parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # the official code run on tiny models (README_adapters.md)
 OFFICIAL = FIXTURES / "nova_tiny_official.pt"
-needs_fixture = pytest.mark.skipif(not OFFICIAL.exists(), reason=f"no NOVA fixture at {OFFICIAL} (shared/ absent)")
 TOL = 1e-4  # README_adapters.md: max|a − b| / max(1, max|b|)
 
 FLOW = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0}
@@ -57,7 +56,6 @@ def save_pipeline(model, folder, config):
 # -----------------------------------------------------------------------------
 # parity with the official code
 
-@needs_fixture
 def test_condition_and_z_match_official(model, official):
     d, B = official, official["sample"]["batch"]
     with torch.no_grad():
@@ -79,7 +77,6 @@ def test_condition_and_z_match_official(model, official):
         assert close(model.predict_z(noisy, mask, c), d["z"][2])
 
 
-@needs_fixture
 def test_tokens_orders_and_schedule_match_official(model, official):
     d = official
     for i in range(len(d["num_preds"])):
@@ -103,7 +100,6 @@ def test_tokens_orders_and_schedule_match_official(model, official):
         start += n
 
 
-@needs_fixture
 @pytest.mark.parametrize("kind", ["ddpm", "flow"])
 def test_heads_match_official(model, official, kind):
     h, T = official["head"], official["config"]["num_diffusion_steps"]
@@ -140,7 +136,6 @@ def test_heads_match_official(model, official, kind):
 # -----------------------------------------------------------------------------
 # released configurations
 
-@needs_fixture
 def test_released_configs_state_dicts():
     released = json.loads((FIXTURES / "nova_state_dict.json").read_text())
     for name, entry in released.items():

@@ -1,5 +1,5 @@
-"""The MAR-GRPO objective as a whole (SPEC §2–§6), pinned in value and gradient against a hand
-computation written from SPEC's equations.
+"""The MAR-GRPO objective as a whole (docs/method.md §2–§6), pinned in value and gradient against a hand
+computation written from the equations of docs/method.md.
 
 One tiny rollout (a 16 px, 16-token MAR with random weights, 4 images in 2 prompt groups, CFG on,
 3 trained AR steps, 2 diffusion steps each, S = 3 MTE trajectories) is recorded once. On it the
@@ -114,7 +114,7 @@ def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old=None):
 
 
 # =============================================================================
-# The hand computation (SPEC §2–§6), dense over all positions, plain tensor ops
+# The hand computation (docs/method.md §2–§6), dense over all positions, plain tensor ops
 # =============================================================================
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -169,7 +169,7 @@ def hand_keep(st, final, tau):
 def hand_objective(pol, ref, view, seeds, condition, adv, beta, kl, tau, top_k, old_pol=None, clip_eps=None):
     """L = −mean_i (P_i − β KL_i) over the trained AR steps of `view`.
 
-    pol / ref: policy and reference (MAR); seeds: the MTE view; adv: (B,); kl: SPEC §6 kind;
+    pol / ref: policy and reference (MAR); seeds: the MTE view; adv: (B,); kl: docs/method.md §6 kind;
     old_pol: the policy of the first inner epoch (None: this is the first epoch, ℓ_old = sg ℓ);
     clip_eps: PPO ε (None: unclipped ρ A).
     returns (L, list of per-step dicts P, KL, P_unc (the uncertain part of P), W, M, ratio)
@@ -330,7 +330,7 @@ def test_the_tiny_case_exercises_every_term(case):
     assert all(st["w"] != 1.0 for st in view["steps"])  # CFG on at every trained step
     assert (seeds["x_prev"][0] - seeds["x_prev"][1]).abs().min() > 0  # seed trajectories differ
     assert S >= 2
-    # the recorded transitions recompute (SPEC §2 parity): the hand μ reads the record right
+    # the recorded transitions recompute (docs/method.md §2 parity): the hand μ reads the record right
     for st in view["steps"]:
         with torch.no_grad():
             logp = hand_logp(st["x_prev"], hand_mu(case.model, st, case.condition, st["x_t"]), st["std"])

@@ -429,32 +429,6 @@ def test_shapes_reward_equals_verifier():
         reward(images[:1], ["a photo of a cat"], None)
 
 
-def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_for_paint():
-    img = torch.zeros(2, 3, 4, 4)                                                # black, (B, 3, H, W)
-    img[:, 0, 0, :] = 0.9                                                        # 4 nearly red pixels
-    img[:, :2, 1, :2] = 1.0                                                      # 2 yellow pixels
-    img[:, 2, 3, 3] = 0.6                                                        # 1 blue-ish pixel
-    prompts = ["a red square", "a green circle and a yellow square"]
-    scores, _ = rewards.build_reward("shapes_coverage")(img, prompts, None)
-    assert scores.tolist() == pytest.approx([4 / 16, (0 / 16 + 2 / 16) / 2])
-    # the study's spec: trained on the proxy, the verifier logged beside it with weight 0
-    total, info = rewards.build_reward("shapes_coverage:1,shapes:0")(img, prompts, None)
-    assert torch.equal(total, scores) and set(info["means"]) == {"shapes_coverage", "shapes"}
-    # hackable: an all-red canvas beats a correct render of "a red square" on the proxy, not on the verifier
-    shapes = pytest.importorskip("shapes")
-    meta = shapes.parse_prompt("a red square")
-    render = torch.from_numpy(shapes.render(meta, size=16, rng=np.random.default_rng(0))).permute(2, 0, 1)[None] / 255
-    painted = torch.zeros_like(render)
-    painted[:, 0] = 1.0
-    painted[:, 0, 8, :] = 0.0                                                    # two red bars, no square
-    both = torch.cat([render, painted]).float()
-    proxy, _ = rewards.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
-    truth, _ = rewards.build_reward("shapes")(both, ["a red square"] * 2, None)
-    assert proxy[1] == 15 / 16 > proxy[0] > 0 and truth[0] == 1.0 and truth[1] < 0.5
-    with pytest.raises(ValueError, match="shapes_coverage reward: 'a photo of a cat' is not a shapes prompt"):
-        rewards.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rewards_on_cuda_match_cpu(tiny_configs, tmp_path):
     hps = save_weights(tiny_model(13), tmp_path / "hps.pt", "state_dict")

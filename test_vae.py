@@ -1,4 +1,4 @@
-"""Tests for the KL-16 VAE section (vae.py, SPEC §10).
+"""Tests for the KL-16 VAE section (vae.py, docs/method.md §10).
 
 The reference below is an independent re-implementation of the LDM AutoencoderKL forward pass that
 reads the LDM-named state dict directly (written from the released MAR `models/vae.py` as the
@@ -21,7 +21,7 @@ from vae import (_ATTN_PROJ_WEIGHT, VAE_SCALE, _count_indices, _diffusers_key_to
                  load_vae, vae_config_from_ldm, vae_decode, vae_encode)
 
 _HERE = Path(__file__).resolve().parent
-_FIXTURE = _HERE / "fixtures" / "kl16_vae_state_dict.json"  # a verbatim copy of shared/fixtures
+_FIXTURE = _HERE / "fixtures" / "kl16_vae_state_dict.json"  # the official key listing (test_margrpo pins the file)
 
 
 def diffusers_vae_to_ldm(sd):
@@ -323,7 +323,7 @@ def test_diffusers_computes_the_ldm_vae(arch):
 
 
 def test_codec_helpers_scale_sample_and_map_ranges():
-    assert VAE_SCALE == 0.2325  # official MAR latent scale (SPEC §10)
+    assert VAE_SCALE == 0.2325  # official MAR latent scale (docs/method.md §10)
     ldm_sd = random_ldm_sd(TINY, seed=3)
     vae = diffusers_vae(ldm_sd)
     g = torch.Generator().manual_seed(4)

@@ -1,4 +1,4 @@
-"""The KL-16 VAE of MAR as a diffusers `AutoencoderKL` (SPEC §10).
+"""The KL-16 VAE of MAR as a diffusers `AutoencoderKL` (docs/method.md §10).
 
 Official MAR tokenises 256-px images with the KL-16 VAE of latent-diffusion (LDM): 16 latent
 channels on a 16×16 grid, multiplied by the latent scale 0.2325. The released weights are an
@@ -22,7 +22,7 @@ from diffusers import AutoencoderKL
 import checkpoints
 
 # ---------------------------------------------------------------------------------------------
-# KL-16 VAE: LDM checkpoint -> diffusers AutoencoderKL, and the image <-> latent codec (SPEC §10)
+# KL-16 VAE: LDM checkpoint -> diffusers AutoencoderKL, and the image <-> latent codec (docs/method.md §10)
 # ---------------------------------------------------------------------------------------------
 
 VAE_SCALE = 0.2325  # official MAR latent scale: tokens = VAE_SCALE * posterior sample

@@ -28,11 +28,12 @@ warm-up, the implementations interleaved so that load from other work hits them 
 tokens/s and images/s of each, and the ratio official / ours (> 1: ours is faster). With
 `--compile`, also ours with `compile_model` (inductor, dynamic shapes) and official / compiled.
 
-`compile_figures` (called by `python bench.py --compile`) times the head's sampling loop and the
-GRPO update compiled against eager, and checks that recorded and recomputed log-probabilities
-still agree under compilation.
+`compile_figures` (`--compile-figures PRESET`, e.g. demo or mar_base) times the head's sampling loop
+and the GRPO update compiled against eager at a preset's size (bench.py's settings), and checks
+that recorded and recomputed log-probabilities still agree under compilation.
 
-    python bench_official.py --official-dir ~/src/mar --threads 1 2 [--compile]
+    python experiments/bench_official.py --official-dir ~/src/mar --threads 1 2 [--compile]
+    python experiments/bench_official.py --compile-figures demo
 """
 
 import argparse
@@ -53,9 +54,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import grpo
-import mar
-import policy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain script beside the reference
+
+import bench  # noqa: E402
+import flags  # noqa: E402
+import grpo  # noqa: E402
+import mar  # noqa: E402
+import policy  # noqa: E402
 
 # name -> (factory in both codebases, constructor arguments, sampling arguments)
 SETTINGS = {
@@ -260,21 +265,20 @@ def compile_model(model):
     return model
 
 
-def compile_figures(bench, out, repeats, update_steps=None):
+def compile_figures(step, out, repeats, update_steps=None):
     """Compiled / eager seconds of the head's sampling loop (head.sample at a plain AR step's rows and
-    at all L rows) and of MAR-GRPO's update (policy.backward_rollout of the last rollout of `bench`, a
+    at all L rows) and of MAR-GRPO's update (policy.backward_rollout of the last rollout of `step`, a
     bench.StepBench that has run, on its first `update_steps` trained steps), on deep copies; the
     first (compiling) calls are reported apart, and the log-probability parity of both."""
-    import bench as figures  # the timing helpers of bench.py (which imports this file only when asked)
-    st, res, parity = bench.st, {}, {}
+    st, res, parity = step.st, {}, {}
     a, L, D = st.args, st.model.seq_len, st.model.diffloss.net.cond_embed.in_features
     comp, comp_ref = compile_model(copy.deepcopy(st.model)), compile_model(copy.deepcopy(st.ref))
-    record = dataclasses.replace(bench.record, steps=bench.record.steps[:update_steps])
+    record = dataclasses.replace(step.record, steps=step.record.steps[:update_steps])
     adv = grpo.group_advantages(torch.randn(st.B, generator=torch.Generator().manual_seed(7)).to(st.device), st.G)
 
     def update(model, ref, tag):
         stats, _ = policy.backward_rollout(policy.PolicyLoss(model), False, ref, record, st.inputs, adv, st.cfgs["mar-grpo"],
-                                           bench.seeds, bench.uncertain, [None] * len(record.steps), contextlib.nullcontext)
+                                           step.seeds, step.uncertain, [None] * len(record.steps), contextlib.nullcontext)
         model.zero_grad(set_to_none=True)
         parity[tag] = max(float(s["logp_parity_err"]) for s in stats)
 
@@ -289,7 +293,7 @@ def compile_figures(bench, out, repeats, update_steps=None):
         eager=lambda: update(st.model, st.ref, "eager"), compiled=lambda: update(comp, comp_ref, "compiled"))
     out(f"torch.compile (inductor, dynamic shapes), {a.preset} size: compiled / eager, median of {repeats} after the first calls")
     for name, fns in jobs.items():
-        t, first = figures.interleaved(fns, st.device, repeats)
+        t, first = bench.interleaved(fns, st.device, repeats)
         res[name] = dict(ratio=t["compiled"] / t["eager"], seconds=t, first_call_s=first)
         out(f"  {name:<36}{t['compiled'] / t['eager']:5.2f}×  (first calls: eager {first['eager']:.1f} s, "
             f"compiled {first['compiled']:.1f} s)")
@@ -300,7 +304,9 @@ def compile_figures(bench, out, repeats, update_steps=None):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--official-dir", required=True, help="local clone of github.com/LTH14/mar")
+    parser.add_argument("--compile-figures", default=None, metavar="PRESET",
+                        help="only time torch.compile against eager at this train.py preset's size (compile_figures)")
+    parser.add_argument("--official-dir", default=None, help="local clone of github.com/LTH14/mar")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch thread counts to run each setting with (default: torch's default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per implementation, tiny setting")
@@ -312,6 +318,15 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.repeats < 1 or args.base_repeats < 1:
         parser.error("--repeats and --base-repeats must be at least 1")
+    if args.compile_figures:
+        run_args = flags.parse_args(["--preset", args.compile_figures])
+        setting = (bench.mar_base_setting(argparse.Namespace(base_steps="8,12,2"), torch.device("cpu"))
+                   if args.compile_figures == "mar_base" else bench.demo_setting(run_args, torch.device("cpu")))
+        step = bench.StepBench(setting, methods=()).run(0)  # one rollout and its MTE trajectories
+        compile_figures(step, lambda line: print(line, flush=True), max(args.repeats, 2), update_steps=1)
+        sys.exit(0)
+    if args.official_dir is None:
+        parser.error("--official-dir is required (or --compile-figures PRESET)")
     try:
         compare_with_official(args.official_dir, repeats=args.repeats, base_repeats=args.base_repeats,
                               threads=tuple(args.threads) if args.threads else (None,),

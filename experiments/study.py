@@ -2,14 +2,14 @@
 experiments that run train.py many times or look inside a base model, not performance figures
 (those are bench.py's).
 
-    python study.py --study sweep         # the learning rate: grpo-fixed-head at SWEEP_LRS
-    python study.py --study main          # MAIN_ARMS × 3 seeds, 150 steps, evaluated at 50/100/150
-    python study.py --study hack          # 3 arms trained on a hackable proxy (HACK_REWARD), 100 steps
-    python study.py --study components    # COMPONENT_ARMS, one seed, 50 steps (against main's step 50)
+    python experiments/study.py --study sweep         # the learning rate: grpo-fixed-head at SWEEP_LRS
+    python experiments/study.py --study main          # MAIN_ARMS × 3 seeds, 150 steps, evaluated at 50/100/150
+    python experiments/study.py --study hack          # 3 arms trained on a hackable proxy (HACK_REWARD), 100 steps
+    python experiments/study.py --study components    # COMPONENT_ARMS, one seed, 50 steps (against main's step 50)
         [--study-out runs/study] [--study-lr 1e-4] [--study-seeds N] [--study-steps N] [--report-only]
         [--study-train-flags "..."] [train.py flags for every run]
-    python study.py --context-probe bases/demo.pt    # does a base model use its canvas? (in the preset's world)
-    python study.py --noise-probe bases/demo.pt      # where does a rollout's randomness decide the image?
+    python experiments/study.py --context-probe bases/demo.pt    # does a base model use its canvas? (in the preset's world)
+    python experiments/study.py --noise-probe bases/demo.pt      # where does a rollout's randomness decide the image?
 
 docs/study.md ran with `--preset free16` (its base: bases/free16.pt).
 A table: GRPO runs from the preset's base (the demo's shipped bases/demo.pt; a preset without one
@@ -34,20 +34,64 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import evaluate
-import mar
-import models
-import rewards
-import rollout
-import shapes
-import train
-import verifier
-from prompts import Prompts
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # a plain script beside the reference: import its top-level modules
+
+import evaluate  # noqa: E402
+import flags  # noqa: E402
+import mar  # noqa: E402
+import models  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
+import shapes  # noqa: E402
+import train  # noqa: E402
+import verifier  # noqa: E402
+from prompts import Prompts  # noqa: E402
+
+# The previous demo's base, the base of docs/study.md (preset free16): free object sizes and
+# positions, clean captions; 8000 steps, then 8000 more at half the learning rate on new data draws
+# (43 and 66 minutes on 2 CPU cores, torch 2.14):
+#     python experiments/study.py --train --preset free16 --stage pretrain --out runs/free_base --threads 2
+#     python experiments/study.py --train --preset free16 --stage pretrain --out runs/free_base2 \
+#         --pretrain-from runs/free_base/base.pt --pretrain-lr 5e-4 --seed 1
+#     python checkpoints.py half runs/free_base2/base.pt experiments/bases/free16.pt
+FREE16_BASE = os.path.join(REPO, "experiments", "bases", "free16.pt")
+FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
+# train.py's presets for the study's runs (`--train` runs train.py with them registered): the previous
+# demo, free object sizes and positions, clean captions, CFG 6, τ 0.5, lr 1e-5
+PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000, num_iter=16,
+                          min_diff_step=2, lr=1e-5, cfg=6.0)}
+flags.PRESETS.update(PRESETS)
+
+
+class ShapesCoverageReward(rewards.ShapesReward):
+    """A deliberately hackable proxy of the shapes world, for the reward-hacking study (docs/study.md):
+    the mean, over the colours the prompt asks for, of the fraction of pixels of that colour,
+
+        r = 1/|C| sum_{c in C} #{pixels nearest to colour c} / (H W),   C = the prompt's colours,
+
+    pixels assigned to the nearest of black and the palette as the verifier does. It rises with
+    the right colours on the canvas, so it correlates with the verifier's score, but it pays more
+    for more paint: large blobs score higher than the asked shapes, counts and sizes."""
+
+    name = "shapes_coverage"
+
+    def score(self, images, prompts, metadata):
+        classes = self.verifier.nearest_colour(images.cpu().permute(0, 2, 3, 1).numpy())  # (B, H, W), 0 = black
+        names = list(self.shapes.COLORS)  # colour k is class k + 1
+        scores = []
+        for b, meta in enumerate(self.metas(prompts, metadata)):
+            asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
+            scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
+        return torch.tensor(scores, dtype=torch.float32), {}
+
+
+rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())  # --reward shapes_coverage in the study's runs
 
 # The study (docs/study.md): GRPO from the demo's shipped base on four fixed training prompts, one
 # per category, 4 prompts × G = 4 images a step, one thread per run, two runs at a time; every
 # arm's seed s draws the same prompts and noise. Four tables, one command each:
-#     python study.py --study sweep|main|hack|components
+#     python experiments/study.py --study sweep|main|hack|components
 STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
                  "a blue square left of a green circle"]
 STUDY_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--keep-last", "0", "--save-every", "50"]
@@ -295,7 +339,7 @@ def _table(opts, name):
     spec["steps"] = opts.study_steps or spec["steps"]
     if opts.study_arms:  # folder names (_slug) of the arms to keep
         keep = opts.study_arms.split(",")
-        spec["arms"] = {arm: flags for arm, flags in spec["arms"].items() if _slug(arm) in keep}
+        spec["arms"] = {arm: arm_flags for arm, arm_flags in spec["arms"].items() if _slug(arm) in keep}
     if spec["lr"] == STUDY_LR and opts.study_lr:
         spec["lr"] = opts.study_lr
     spec["evals"] = tuple(k for k in spec["evals"] if k <= spec["steps"]) or (() if not spec["evals"] else (spec["steps"],))
@@ -319,17 +363,17 @@ def study(opts, extra):
     prompt_file = os.path.join(root, "prompts.txt")
     with open(prompt_file, "w") as f:
         f.write("\n".join(STUDY_PROMPTS) + "\n")
-    py = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
-    base = train.PRESETS[opts.preset].get("init") or os.path.join(root, "base.pt")
+    py = [sys.executable, os.path.abspath(__file__), "--train"]  # train.py, with this file's presets
+    base = flags.PRESETS[opts.preset].get("init") or os.path.join(root, "base.pt")
     if not os.path.exists(base):  # a preset without a shipped base: pretrain one into the study's folder
         subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
 
     def evals(ckpt, out, k):  # held-out prompts (stratified), then the study's prompts × 24 images
         cmds = []
-        for name, flags in ((f"eval_{k}", []), (f"eval_train_{k}", ["--prompts", prompt_file, "--eval-images-per-prompt", "24"])):
+        for name, more in ((f"eval_{k}", []), (f"eval_train_{k}", ["--prompts", prompt_file, "--eval-images-per-prompt", "24"])):
             if not os.path.exists(os.path.join(out, name, "summary.json")):
                 cmds.append(py + ["--eval-only", "--init", ckpt, "--out", os.path.join(out, name), "--threads", "1"]
-                            + extra + flags)
+                            + extra + more)
         return cmds
 
     def shell(cmds):
@@ -344,13 +388,13 @@ def study(opts, extra):
         train_flags = ["--prompts", prompt_file, "--steps", str(spec["steps"])] + STUDY_RUN
         train_flags += ["--lr", spec["lr"]] if spec["lr"] else []
         train_flags += ["--reward", spec["reward"]] if spec["reward"] else []
-        for arm, flags in spec["arms"].items():
+        for arm, arm_flags in spec["arms"].items():
             for seed in range(spec["seeds"]):
                 out = _run_dir(root, name, arm, seed)
                 cmds = []
                 if not os.path.exists(os.path.join(out, "ckpt", f"step_{spec['steps']:06d}.pt")):
                     cmds.append(py + ["--stage", "grpo", "--init", base, "--out", out, "--seed", str(seed),
-                                      "--threads", "1", "--resume", "auto"] + extra + train_flags + flags + opts.study_train_flags.split())
+                                      "--threads", "1", "--resume", "auto"] + extra + train_flags + arm_flags + opts.study_train_flags.split())
                 for k in spec["evals"]:
                     cmds += evals(os.path.join(out, "ckpt", f"step_{k:06d}.pt"), out, k)
                 if cmds:
@@ -462,7 +506,7 @@ def study_report(opts, name):
         json.dump({"table": name, "spec": {k: v for k, v in spec.items() if k != "arms"}, "base": base,
                    "arms": summary}, f, indent=1)
     cols = list(next(iter(summary.values()), {}))
-    lines = [f"`python study.py --study {name}`: {spec['steps']} steps, lr {spec['lr'] or 'per arm'}, "
+    lines = [f"`python experiments/study.py --study {name}`: {spec['steps']} steps, lr {spec['lr'] or 'per arm'}, "
              f"reward {spec['reward'] or 'shapes'}; mean ± std over seeds (n in the second column)."]
     if base:
         lines.append(f"Base (no RL): study prompts accuracy {base['train_acc']:.3f}, held out {base['heldout_acc']:.3f}.")
@@ -510,7 +554,11 @@ def study_report(opts, name):
 
 
 def main(argv=None):
-    """`python study.py ...`: the study (returns its summary) or a probe (its figures)."""
+    """`python experiments/study.py ...`: the study (returns its summary) or a probe (its figures);
+    `--train FLAGS` runs train.py with FLAGS and this file's presets (returns its exit status)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--train"]:
+        return train.cli(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", default=None, type=_tables, metavar="TABLE[,TABLE]",
                    help=f"run tables of the study in one queue: {', '.join(TABLES)} (see study())")
@@ -534,11 +582,12 @@ def main(argv=None):
         torch.set_num_threads(opts.threads)
     if opts.study:
         return {name: study_report(opts, name) for name in opts.study} if opts.report_only else study(opts, rest)
-    args = train.parse_args(["--preset", opts.preset] + rest)
+    args = flags.parse_args(["--preset", opts.preset] + rest)
     if opts.noise_probe:
         return run_noise_probe(opts.noise_probe, args, lambda s: print(s, flush=True))
     return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,285 @@
+"""The flags of a run, one place: every flag with its default and meaning, the named presets, and
+the checks that run before any work. train.py and evaluate.py (whose table flags come on top of
+these) both parse and check through this file.
+
+Checks happen in two places: a single flag's range and finiteness when it is parsed (`number`),
+cross-flag rules and files in `check_inputs` (train.py) and `check_model_inputs` (both scripts);
+a bad one raises a one-line ValueError / FileNotFoundError / PermissionError naming the flag,
+which processes.cli prints as `error: ...` with exit status 2.
+"""
+
+import argparse
+import math
+import os
+import re
+from dataclasses import fields
+
+import checkpoints
+import grpo
+import models
+import rewards
+from prompts import read_prompt_file
+
+# -----------------------------------------------------------------------------
+# Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
+
+# The demo's base, committed in float16 (3.5 MB; `python checkpoints.py half runs/demo_base/base.pt
+# bases/demo.pt`), pretrained in three runs: 2000 + 6000 steps in the world of token-aligned objects
+# (--cell 8) with clean captions, then 1500 steps on under-captioned images (--unmentioned 0.5: half the
+# images also show one object their prompt does not mention; docs/research_log.md, "Under-captioned
+# pretraining data"), each from the last one's EMA weights with a fresh optimizer and new data draws:
+#     python train.py --stage pretrain --out runs/cell2k --unmentioned 0 --pretrain-steps 2000 --threads 2   (5 min)
+#     python train.py --stage pretrain --out runs/cell8k --unmentioned 0 --pretrain-steps 6000 \
+#         --pretrain-from runs/cell2k/base.pt --pretrain-lr 5e-4 --seed 1 --threads 1          (24 min beside other runs)
+#     python train.py --stage pretrain --out runs/demo_base --pretrain-steps 1500 \
+#         --pretrain-from runs/cell8k/base.pt --pretrain-lr 5e-4 --seed 2 --threads 2          (4 min)
+# `python train.py --init scratch` pretrains one run of --pretrain-steps (8000) in the demo's world
+# (under-captioned from the start) instead of loading it.
+DEMO_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "demo.pt")
+DEMO_BASE_SHA256 = "3e0bf98753f1390403dd5216ec6c6267ab074af9138f8c7a5b2b18aef4b4f472"
+PRESETS = {
+    # python train.py: a small MAR with a local prior (mar.py item 4: without it the base does not read
+    # its canvas) on 16×16 shapes images of 64 two-pixel tokens, objects aligned to 8-px cells (with free
+    # positions RL did not visibly teach a base that draws: docs/research_log.md), from the shipped base,
+    # whose pretraining images were under-captioned; 16 AR steps sampled from the policy itself (no
+    # guidance, τ = 1); MAR-GRPO as released (MTE on the uncertain unknown tokens) without the last noisy
+    # diffusion step (its tiny σ dominates a gradient: docs/research_log.md)
+    "demo": dict(init=DEMO_BASE, img_size=16, patch_size=2, local_conv=3, cell=8, unmentioned=0.5, pretrain_steps=8000,
+                 num_iter=16, min_diff_step=2, lr=1e-4, cfg=1.0, temperature=1.0, eval_images_per_prompt=2),
+    # the whole pipeline at toy size, under a minute on 2 CPU cores
+    "smoke": dict(embed_dim=32, depth=1, heads=2, head_depth=1, head_width=32, num_iter=4, num_sampling_steps=8,
+                  pretrain_steps=20, pretrain_batch=16, steps=3, prompts_per_step=2, group_size=2,
+                  train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2),
+    # official MAR-B at 256 px on 8 GPUs with the released MAR-GRPO settings (docs/method.md §8); CFG 3 and 100
+    # diffusion steps are MAR-B's own sampling settings, lr 2e-6 the NOVA run's
+    "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0, temperature=1.0,
+                     steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
+                     reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+    # the released Harmon-1.5B run (AMAP-ML/mar-grpo: scripts/debug_entry_harmon.py, trainer
+    # grpo_trainer_harmon_v1_2.py): 512 px (the config's 32×32 grid), CFG 3 constant, S = 5; only the
+    # MAR trains (models.set_trainable); T = 25, as the run's name ("25diff") says
+    "harmon": dict(model="harmon", model_config="harmon_1.5b", num_iter=64, num_sampling_steps=25, cfg=3.0,
+                   cfg_schedule="constant", temperature=1.0, steps=1200, prompts_per_step=8, group_size=4, lr=1e-6,
+                   train_ar_steps=12, train_diff_steps=10, mte_seeds=5, reward="hpsv2", save_every=50,
+                   sample_every=50, eval_prompts=0),
+    # the released NOVA run (scripts/debug_entry_nova.py, grpo_trainer_nova_v1_2.py): d48w1024-sd512,
+    # CFG 5 constant, 25 diffusion steps, S = 3; all but the diffusion MLP trains (models.set_trainable)
+    "nova": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
+                 steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
+                 mte_seeds=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+    # the Harmon and NOVA pipelines at toy size, for tests on a tiny model built from a config
+    "adapter_smoke": dict(num_iter=4, num_sampling_steps=6, cfg_schedule="constant", temperature=1.0, steps=2,
+                          prompts_per_step=2, group_size=2, train_ar_steps=2, train_diff_steps=2, mte_seeds=2,
+                          reward="jpeg_incompressibility", eval_prompts=2, sample_every=1, save_every=1, lr=1e-4),
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a one-line ValueError (reported by `cli`), not the usage block."""
+
+    def error(self, message):
+        # "argument --lr: 'nan' must be ..." -> "--lr nan: must be ..."
+        raise ValueError(re.sub(r"^argument (--[\w-]+): '([^']*)' ", r"\1 \2: ", message))
+
+
+def number(kind, low=-math.inf, high=math.inf, low_open=False, high_open=False):
+    """An argparse type: a finite int or float in [low, high] (open ends where asked)."""
+    def parse(text):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low) or (high_open and value == high):
+            lo = ("(" if low_open or low == -math.inf else "[") + f"{low:g}"
+            hi = f"{high:g}" + (")" if high_open or high == math.inf else "]")
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number in {lo}, {hi}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def optional_tau(text):
+    return "off" if text.lower() == "off" else number(float)(text)
+
+
+POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
+POS_FLOAT, NONNEG_FLOAT, FRACTION = number(float, 0, low_open=True), number(float, 0), number(float, 0, 1, low_open=True)
+
+
+def build_parser():
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    # run
+    a("--preset", default="demo", choices=sorted(PRESETS), help="named group of defaults")
+    a("--stage", default="all", choices=["pretrain", "grpo", "all"], help="what to run")
+    a("--out", default=None, help="output folder (default runs/<preset>)")
+    a("--init", default=None, help="base checkpoint: ours, an official MAR .pth, harmon_*.pth, or a NOVA pipeline folder; "
+                                   "'scratch': pretrain the small shapes model here (the demo starts from DEMO_BASE)")
+    a("--resume", nargs="?", const="yes", default="no", choices=["no", "yes", "auto"],
+      help="continue from the newest readable checkpoint in --out/ckpt: --resume (one must exist), --resume auto "
+           "(if one exists; a torchrun relaunch does this by itself), or no (a fresh run replaces --out's checkpoints)")
+    a("--eval-only", action="store_true", help="generate for --prompts and score, then exit")
+    a("--seed", type=NONNEG_INT, default=0, help="global seed; every step's randomness derives from (seed, step, rank)")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    a("--threads", type=NONNEG_INT, default=0, help="torch CPU threads (0: torch's default)")
+    a("--wandb", action="store_true", help="also log to Weights & Biases (if installed)")
+    # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
+    # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
+    a("--model", default="small", choices=models.MODELS, help="which policy (models.py)")
+    a("--model-config", default="harmon_1.5b", help="Harmon: a released config name or a JSON config file")
+    a("--tokenizer", default=None, help="Harmon: the Qwen2.5 tokenizer folder (local)")
+    a("--prompt-embeds", default=None, help="NOVA: the prompts' Phi-2 embeddings (python prompts.py embed-nova)")
+    a("--img-size", type=POS_INT, default=32, help="image size in pixels")
+    a("--patch-size", type=POS_INT, default=4, help="pixels per token side (small model)")
+    a("--embed-dim", type=POS_INT, default=128, help="transformer width (small model)")
+    a("--depth", type=POS_INT, default=3, help="encoder and decoder blocks each (small model)")
+    a("--heads", type=POS_INT, default=4, help="attention heads (small model)")
+    a("--head-depth", type=POS_INT, default=3, help="diffusion-head residual blocks (small model)")
+    a("--head-width", type=POS_INT, default=128, help="diffusion-head width (small model)")
+    a("--local-conv", type=NONNEG_INT, default=0, help="k×k conv over the decoder's token grid (small model; 0 = official; mar.py item 4)")
+    a("--cell", type=NONNEG_INT, default=0,
+      help="shapes images of pretraining and the probes: objects aligned to cells of this many pixels (0 = free)")
+    a("--unmentioned", type=number(float, 0, 1), default=0.0,
+      help="pretraining images: probability of one more object than the prompt says (shapes.make_dataset)")
+    a("--mask-schedule", default="official", choices=["official", "cosine"],
+      help="pretraining mask ratios: official truncated normal, or cos(π/2·u) (small model; mar.py item 5)")
+    a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
+    a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for MAR and Harmon; NOVA: its vae/ folder (default: beside --init)")
+    # sampling
+    a("--num-iter", type=POS_INT, default=8, help="AR steps N per image")
+    a("--num-sampling-steps", type=number(int, 3), default=16, help="diffusion steps T of the head")
+    a("--cfg", type=NONNEG_FLOAT, default=3.0, help="guidance w (1 = none)")
+    a("--cfg-schedule", default="linear", choices=["linear", "constant"], help="guidance over the AR steps")
+    a("--temperature", type=POS_FLOAT, default=0.5, help="τ of the head's noise")
+    # pretraining (shapes world)
+    a("--pretrain-steps", type=NONNEG_INT, default=2000, help="optimizer steps of base pretraining")
+    a("--pretrain-batch", type=POS_INT, default=32, help="images per pretraining step (global)")
+    a("--pretrain-lr", type=POS_FLOAT, default=1e-3, help="pretraining peak learning rate")
+    a("--pretrain-from", default=None, help="start pretraining from this base's weights (ours, same size flags) instead of "
+                                         "a random model: a new optimizer and lr schedule, e.g. to pretrain a base longer")
+    a("--ema", type=number(float, 0, 1, high_open=True), default=0.999, help="EMA decay of the pretrained base")
+    a("--diffusion-batch-mul", type=POS_INT, default=1, help="official diffusion_batch_mul for pretraining")
+    # GRPO (docs/method.md §6–§8); the component flags (default: the --method's) override the method
+    a("--method", default="mar-grpo", choices=list(grpo.METHODS), help="the paper's variant (docs/method.md §7)")
+    a("--steps", type=POS_INT, default=40, help="GRPO steps")
+    a("--prompts-per-step", type=POS_INT, default=8, help="prompts per step (global; divides by the world size)")
+    a("--group-size", type=number(int, 2), default=6, help="images per prompt G")
+    a("--grad-accum", type=POS_INT, default=1, help="micro-batches per rank and step, gradients accumulated: the "
+                                                    "same step as world × this many processes")
+    a("--lr", type=POS_FLOAT, default=1e-4, help="GRPO learning rate (constant)")
+    a("--weight-decay", type=NONNEG_FLOAT, default=0.0, help="AdamW weight decay")
+    a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
+    a("--train-ar-steps", type=POS_INT, default=2, help="AR steps trained per rollout")
+    a("--train-diff-steps", type=POS_INT, default=6, help="diffusion steps trained per AR step")
+    a("--min-diff-step", type=POS_INT, default=1, help="lowest diffusion step trained (the last steps' tiny σ dominates a gradient)")
+    a("--beta", type=NONNEG_FLOAT, default=None, help="KL weight β (0.01)")
+    a("--kl", default=None, choices=list(grpo.KL_KINDS), help="KL estimator (grpo.py)")
+    a("--clip-eps", type=POS_FLOAT, default=None, help="PPO clip ε (with --inner-epochs > 1)")
+    a("--inner-epochs", type=POS_INT, default=None, help="optimizer steps per rollout (1 = released)")
+    a("--train-cfg", default=None, choices=["rollout", "1"], help="recompute ℓ with the rollout's guidance, or 1 (released)")
+    a("--mte-seeds", type=NONNEG_INT, default=None, help="S trajectories for MTE (0 = off)")
+    a("--top-k", type=FRACTION, default=None, help="fraction of tokens with MTE")
+    a("--policy-positions", default=None, choices=["unknown", "predicted"],
+      help="policy term on U_i (released) or only on P_i, the tokens written at the trained step")
+    a("--mte-positions", default=None, choices=["unknown", "predicted"], help="MTE on uncertain U_i (released) or P_i only")
+    a("--tau", type=optional_tau, default=None, help="consistency threshold τ, or 'off'")
+    a("--train-head", default=None, choices=["yes", "no"], help="train the diffusion head")
+    # rewards and prompts
+    a("--reward", default="shapes", help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5")
+    a("--reward-ckpt", action="append", default=[], help="reward weights KEY=PATH (repeatable)")
+    a("--prompts", default=None, help="prompt file, one per line (shapes prompts, class indices, or text)")
+    a("--split", default="train", choices=["train", "all"], help="shapes prompts to train on")
+    # evaluation, logging, checkpoints
+    a("--eval-prompts", type=NONNEG_INT, default=96, help="shapes prompts evaluated per split (0 = skip)")
+    a("--eval-images-per-prompt", type=POS_INT, default=1, help="images per evaluated prompt")
+    a("--eval-temperature", type=POS_FLOAT, default=None, help="τ for evaluation images (default: --temperature)")
+    a("--sample-every", type=POS_INT, default=20, help="write a sample grid every N steps")
+    a("--save-every", type=POS_INT, default=20, help="checkpoint every N steps")
+    a("--keep-last", type=NONNEG_INT, default=2, help="checkpoints kept (0 = all)")
+    a("--max-bad-steps", type=POS_INT, default=5, help="non-finite steps in a row before the run stops")
+    return p
+
+
+def parse_args(argv=None):
+    """Flags over preset over the parser's defaults. Returns an argparse.Namespace."""
+    p = build_parser()
+    preset = p.parse_known_args(argv)[0].preset
+    p.set_defaults(**PRESETS[preset])
+    args = p.parse_args(argv)
+    args.out = args.out or os.path.join("runs", preset)
+    if args.init == "scratch" or (args.stage == "pretrain" and args.init == PRESETS[preset].get("init")):
+        args.init = None  # pretrain here (or reuse <out>/base.pt), not the preset's shipped base
+    if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        args.resume = "auto"  # torchrun relaunched the job after a failure: continue, do not start over
+    return args
+
+
+def grpo_config(args):
+    """The method's settings (docs/method.md §7) with every component flag that was given on top."""
+    cfg = grpo.GRPOConfig(**grpo.METHODS[args.method])
+    for f in fields(grpo.GRPOConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            setattr(cfg, f.name, {"off": None}.get(value, value) if f.name == "tau" else
+                    (value == "yes") if f.name == "train_head" else value)
+    return cfg.validate()
+
+
+def check_inputs(args, world):
+    """Cross-flag rules and files, before any work: a bad one raises a one-line ValueError /
+    FileNotFoundError / PermissionError naming it. Reads, never writes. (Single flags were checked
+    when parsed; file contents are checked next, by loading them, still before the first write.)
+    world: the number of processes. Returns the GRPO config."""
+    cfg = grpo_config(args)
+    if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
+    if args.prompts_per_step % (world * args.grad_accum):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} × "
+                         f"--grad-accum {args.grad_accum} (each prompt's group is generated in one micro-batch)")
+    if args.stage == "pretrain" and args.init is not None:
+        raise ValueError("--stage pretrain trains a base model from scratch: drop --init (or use --stage grpo)")
+    if (args.eval_only or args.stage == "grpo") and args.init is None:
+        raise ValueError(f"{'--eval-only' if args.eval_only else '--stage grpo'} needs --init CKPT")
+    if will_pretrain(args) and args.pretrain_batch % world:
+        raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {world}")
+    if will_pretrain(args) and args.model != "small":
+        raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
+    if args.pretrain_from is not None and not will_pretrain(args):
+        why = f"it starts from --init {args.init}" if args.init else f"it reuses {os.path.join(args.out, 'base.pt')}"
+        raise ValueError(f"--pretrain-from: this run does not pretrain ({why}); use --stage pretrain or --init scratch")
+    for name in ("init", "pretrain_from"):
+        path = getattr(args, name)
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
+    rewarded = args.stage != "pretrain" or args.eval_only
+    check_model_inputs(args, [name for name, _ in rewards.parse_reward_spec(args.reward)] if rewarded else None)
+    if args.resume == "yes" and not checkpoints.checkpoint_names(os.path.join(args.out, "ckpt")):
+        raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(args.out, 'ckpt')} (--resume auto starts fresh if none)")
+    return cfg
+
+
+def check_model_inputs(args, reward_names=None):
+    """What train.py and evaluate.py check alike, before anything is loaded: the model's files exist,
+    the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, a prompt
+    file parses (shapes prompts for the small model, text lines for Harmon and NOVA), the rewards
+    (names from rewards.parse_reward_spec, or None when the run scores nothing) fit the model and
+    their weight flags parse, and --out is writable."""
+    for name in ("prompts", "vae", "tokenizer", "prompt_embeds"):
+        path = getattr(args, name)
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
+    if args.model not in ("small", "nova") and args.vae is None:
+        raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
+    if args.model in ("harmon", "nova") and args.prompts is None:
+        raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
+    if args.prompts is not None and args.model in ("small", "harmon", "nova"):  # class files need the model
+        read_prompt_file(args.prompts, "shapes" if args.model == "small" else "text")
+    if reward_names is not None:
+        if "shapes" in reward_names and args.model != "small":
+            raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} does not draw them")
+        rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
+    checkpoints.check_writable(args.out, "--out")
+
+
+def will_pretrain(args):
+    """True when this run trains the base model itself (no --init, no cached <out>/base.pt)."""
+    if args.eval_only or args.init is not None:
+        return False
+    return args.stage == "pretrain" or (args.stage == "all" and not os.path.exists(os.path.join(args.out, "base.pt")))

@@ -1,0 +1,134 @@
+"""The lab's scripts (experiments/): the study's probes and tables and the reward-hacking proxy
+at toy size. They import the top-level modules; these tests import them from experiments/."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mar
+import models
+import rewards
+import shapes
+import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))
+import study  # noqa: E402  (registers the study's presets and the shapes_coverage proxy)
+
+torch.set_num_threads(1)
+
+
+def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_for_paint():
+    img = torch.zeros(2, 3, 4, 4)                                                # black, (B, 3, H, W)
+    img[:, 0, 0, :] = 0.9                                                        # 4 nearly red pixels
+    img[:, :2, 1, :2] = 1.0                                                      # 2 yellow pixels
+    img[:, 2, 3, 3] = 0.6                                                        # 1 blue-ish pixel
+    prompts = ["a red square", "a green circle and a yellow square"]
+    scores, _ = rewards.build_reward("shapes_coverage")(img, prompts, None)
+    assert scores.tolist() == pytest.approx([4 / 16, (0 / 16 + 2 / 16) / 2])
+    # the study's spec: trained on the proxy, the verifier logged beside it with weight 0
+    total, info = rewards.build_reward("shapes_coverage:1,shapes:0")(img, prompts, None)
+    assert torch.equal(total, scores) and set(info["means"]) == {"shapes_coverage", "shapes"}
+    # hackable: an all-red canvas beats a correct render of "a red square" on the proxy, not on the verifier
+    shapes = pytest.importorskip("shapes")
+    meta = shapes.parse_prompt("a red square")
+    render = torch.from_numpy(shapes.render(meta, size=16, rng=np.random.default_rng(0))).permute(2, 0, 1)[None] / 255
+    painted = torch.zeros_like(render)
+    painted[:, 0] = 1.0
+    painted[:, 0, 8, :] = 0.0                                                    # two red bars, no square
+    both = torch.cat([render, painted]).float()
+    proxy, _ = rewards.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
+    truth, _ = rewards.build_reward("shapes")(both, ["a red square"] * 2, None)
+    assert proxy[1] == 15 / 16 > proxy[0] > 0 and truth[0] == 1.0 and truth[1] < 0.5
+    with pytest.raises(ValueError, match="shapes_coverage reward: 'a photo of a cat' is not a shapes prompt"):
+        rewards.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
+
+
+def test_context_probe_metric(smoke_base, monkeypatch):
+    """study.context_probe: a head that always samples black is wrong on exactly the coloured
+    unknown tokens, so with the whole canvas unknown its colour error is the coloured fraction."""
+    model = models.load_checkpoint(smoke_base)
+    monkeypatch.setattr(model.diffloss, "sample", lambda z, **kw: torch.full((z.shape[0], model.token_embed_dim), -1.0))
+    res = study.context_probe(model, mar.PixelCodec(), n_images=16, known_fracs=(0.0, 0.5))
+    assert 0.05 < res["coloured_frac"] < 0.6
+    assert res[0.0]["colour_error"] == pytest.approx(res["coloured_frac"], abs=1e-6)
+
+
+def test_linear_probe_separates_an_oracle_from_noise(smoke_base, monkeypatch):
+    """study.linear_probe: z that holds the colour state of its token scores 1.0; z of pure noise
+    scores about the base rate (the majority class)."""
+    model = models.load_checkpoint(smoke_base)
+    real = model.predict_z
+    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: study._coloured(tokens)[..., None].repeat(1, 1, 4))
+    accuracy, base_rate = study.linear_probe(model, mar.PixelCodec(), 0.5, n_images=32)
+    assert accuracy == 1.0 and 0.5 <= base_rate < 0.95
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: torch.randn(real(tokens, mask, cond).shape, generator=g))
+    accuracy, base_rate = study.linear_probe(model, mar.PixelCodec(), 0.5, n_images=32)
+    assert abs(accuracy - base_rate) < 0.08
+
+
+def test_context_probe_renders_the_presets_world(smoke_base, monkeypatch, capsys):
+    """study.py --context-probe probes a base in its own world: with --cell 8 every image of both
+    probes has its objects in 8-px cells (the demo's preset sets it), without it they are free."""
+    import shapes
+    for flags, cell in (([], 0), (["--cell", "8"], 8)):
+        seen = []
+        make = shapes.make_dataset
+        monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k.get("cell", 0)) or make(*a, **k))
+        study.main(["--preset", "smoke", "--context-probe", str(smoke_base), *flags])
+        monkeypatch.undo()
+        assert len(seen) == 5 and set(seen) == {cell}  # context probe; linear probe fit + test at 50, 90%
+    assert "in 8-px cells" in capsys.readouterr().out
+
+
+def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
+    """study.py --study hack at toy size: a base is pretrained (the smoke preset ships none), each
+    arm trains on the proxy with the verifier logged beside it, its last checkpoint and the base are
+    evaluated, and the report holds one row per arm; a second call starts no process."""
+    out = tmp_path / "study"
+    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
+    summary = study.main(argv)["hack"]
+    assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
+    for stats in summary.values():
+        assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
+        assert 0 <= stats["train_acc@2"][0] <= 1 and stats["grad_norm_max"][0] >= stats["grad_norm_mean"][0] > 0
+    rows = [json.loads(line) for line in open(out / "hack" / "mar-grpo" / "seed0" / "metrics.jsonl")]
+    assert len(rows) == 2 and {"reward/shapes_coverage", "reward/shapes"} <= set(rows[0])
+    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward/shapes_coverage"])  # trained on the proxy
+    for name in ("hack.md", "hack.png", "hack_samples.png", "base/eval_train_0/summary.json"):
+        assert (out / name).exists(), name
+    capsys.readouterr()
+    again = study.main(argv)["hack"]  # a second run: everything is done already
+    assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
+    with pytest.raises(SystemExit):
+        study.main(["--study", "nope"])
+
+
+def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
+    """study.noise_probe: with a head of σ = 1 whose mean is 0 but at the last step (where it
+    returns x_t), a token is step 1's noise, so redrawing any other step's noise changes no token and
+    redrawing step 1's changes most; with a head that ignores its noise (tokens a function of z),
+    the images of a group that shares one order are identical (within-group reward variance 0), and
+    those of a group with an order per image are not."""
+    import rewards
+    model = models.load_checkpoint(smoke_base)
+    head = model.diffloss
+    last_noise = lambda x, t, z, cfg=1.0: (x if int(t) == 0 else 0 * x, 0 * x, x)  # noqa: E731  (mean, log σ², x̂0)
+    monkeypatch.setattr(head, "p_mean_variance", last_noise)
+    res = study.noise_probe(model, mar.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
+                            n_prompts=3, group=2)
+    assert set(res["flip_at_step"]) == set(range(1, head.num_sampling_steps))
+    assert all(res["flip_at_step"][k] == 0 for k in res["flip_at_step"] if k > 1)
+    assert res["flip_at_step"][1] > 0.5 and res["flip_all"] > 0.5 and len(res["flip_by_ar_step"]) == 4
+    monkeypatch.undo()
+    C = model.token_embed_dim
+    monkeypatch.setattr(head, "sample", lambda z, temperature=1.0, cfg=1.0, generator=None, record_steps=None:
+                        torch.sin(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(0.01, 1, C)))
+    brightness = lambda images, texts, metas: (images.mean(dim=(1, 2, 3)), {})  # noqa: E731  differs with the order
+    res = study.noise_probe(model, mar.PixelCodec(), brightness, num_iter=4, cfg=3.0, n_prompts=3, group=2)
+    assert res["reward_var_free_order"] > 0
+    assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0
