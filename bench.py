@@ -23,7 +23,6 @@ stages interleaved so that load from other work hits them alike.
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -38,6 +37,7 @@ import torch
 import grpo
 import mar
 import masks
+import memory
 import models
 import mte
 import policy
@@ -47,7 +47,6 @@ import processes
 import shapes
 import flags
 import verifier
-from diffloss import DiffLoss
 from prompts import Prompts
 
 METHODS = ("grpo-fixed-head", "mar-grpo")
@@ -97,9 +96,9 @@ def setting(args, model, items, prompts, device, codec=None, reward=None, seeds=
     ref = model.to(device).eval().requires_grad_(False)
     # as train.py makes it; both methods compared keep the head fixed
     model = models.policy_copy(ref, models.trainable_names(args, ref, False, args.cfg != 1.0))
-    cfgs = {m: flags.grpo_config(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
-    cfgs["mar-grpo"].mte_seeds = seeds or cfgs["mar-grpo"].mte_seeds
-    return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, cfgs=cfgs,
+    settings = {m: flags.grpo_settings(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
+    settings["mar-grpo"].mte_seeds = seeds or settings["mar-grpo"].mte_seeds
+    return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, settings=settings,
                            B=len(items), G=args.group_size, inputs=prompts.condition(items, device), codec=codec, reward=reward)
 
 
@@ -151,12 +150,12 @@ class StepBench:
 
     def update(self, method, adv, timing):
         """One inner epoch of train.py's update; the loss module's forward calls mark the trained steps."""
-        st, cfg, marks = self.st, self.st.cfgs[method], []
+        st, settings, marks = self.st, self.st.settings[method], []
         forward = self.loss.forward
         self.loss.forward = lambda *a, **k: (marks.append(clock(st.device)), forward(*a, **k))[1]
-        mte_on = cfg.mte_seeds >= 2
+        mte_on = settings.mte_seeds >= 2
         try:
-            policy.backward_rollout(self.loss, False, st.ref, self.record, st.inputs, adv, cfg, self.seeds if mte_on else None,
+            policy.backward_rollout(self.loss, False, st.ref, self.record, st.inputs, adv, settings, self.seeds if mte_on else None,
                                     self.uncertain if mte_on else None, [None] * len(self.record.steps), contextlib.nullcontext)
         finally:
             del self.loss.forward
@@ -168,7 +167,7 @@ class StepBench:
         self.opt.zero_grad(set_to_none=True)
 
     def run(self, repeats, warmup=1):
-        st, a, cfg = self.st, self.st.args, self.st.cfgs["mar-grpo"]
+        st, a, settings = self.st, self.st.args, self.st.settings["mar-grpo"]
         for r in range(warmup + repeats):
             marks = [clock(st.device)]
 
@@ -187,9 +186,9 @@ class StepBench:
             adv = grpo.group_advantages(scores + 1e-3 * torch.arange(st.B, device=st.device), st.G)  # never all 0
             done("reward")
             self.seeds = mte.sample_trajectories(st.model.diffloss, self.record.z_final, self.record.z_final_null,
-                                                 self.record.cfg_final, a.temperature, cfg.mte_seeds, plan.diff_steps,
+                                                 self.record.cfg_final, a.temperature, settings.mte_seeds, plan.diff_steps,
                                                  processes.seeded(st.device, r, 5))
-            self.uncertain = masks.top_k_mask(masks.token_uncertainty(self.seeds["x0"]), cfg.top_k)
+            self.uncertain = masks.top_k_mask(masks.token_uncertainty(self.seeds["x0"]), settings.top_k)
             done("mte")
             for m in self.methods:
                 self.update(m, adv, timing=r >= warmup)
@@ -203,18 +202,18 @@ class StepBench:
 
     def parts(self, method):
         """{stage: median seconds} of one method's step."""
-        keys = ["rollout", "recording", "reward"] + (["mte"] if self.st.cfgs[method].mte_seeds >= 2 else [])
+        keys = ["rollout", "recording", "reward"] + (["mte"] if self.st.settings[method].mte_seeds >= 2 else [])
         return {k: self.median(k) for k in keys} | {"update": self.median("update " + method)}
 
 
 def step_figures(bench, out, label):
     """Print and return the two ratios, each method's breakdown, the plain rollout's rate and the record's size."""
-    st, cfg, fixed, full = bench.st, bench.st.cfgs["mar-grpo"], bench.parts("grpo-fixed-head"), bench.parts("mar-grpo")
+    st, settings, fixed, full = bench.st, bench.st.settings["mar-grpo"], bench.parts("grpo-fixed-head"), bench.parts("mar-grpo")
     ratio, rec = sum(full.values()) / sum(fixed.values()), 1 + bench.median("recording") / bench.median("rollout")
     a, L, plan, per_image = st.args, st.model.seq_len, bench.record.steps, nbytes(bench.record) / st.B
-    out(f"{label}: {st.B} images, {L} tokens, {a.num_iter} AR × {a.num_sampling_steps} diffusion steps, cfg {a.cfg}, "
+    out(f"{label}: {st.B} images, {L} tokens, {a.num_iter} AR × {a.num_sampling_steps} diffusion steps, guidance {a.cfg}, "
         f"{len(plan)} AR × {len(plan[0].diff_steps)} diffusion steps trained")
-    out(f"MAR-GRPO step / fixed-head GRPO step (S = {cfg.mte_seeds}, k = {cfg.top_k:.0%}): {ratio:.2f}×")
+    out(f"MAR-GRPO step / fixed-head GRPO step (S = {settings.mte_seeds}, k = {settings.top_k:.0%}): {ratio:.2f}×")
     out(f"recording / plain rollout (record_rollout with / without a plan): {rec:.2f}×")
     for name, p in (("fixed-head GRPO", fixed), ("MAR-GRPO", full)):
         out(f"  {name + ' step':<21}{sum(p.values()):8.2f} s = " + ", ".join(f"{k} {v / sum(p.values()):.0%}" for k, v in p.items()))
@@ -287,7 +286,7 @@ def unit_costs(bench, repeats=3):
     optimizer step, ~1% at mar_base, left out)."""
     st, g = bench.st, 2 if bench.st.args.cfg != 1 else 1
     L, C, D = st.model.seq_len, st.model.token_embed_dim, st.model.diffloss.net.cond_embed.in_features
-    gen, S = processes.seeded(st.device, 6), st.cfgs["mar-grpo"].mte_seeds
+    gen, S = processes.seeded(st.device, 6), st.settings["mar-grpo"].mte_seeds
     cond = st.model.condition(**st.inputs)
     cond = rollout.cat_rows(cond, st.model.null_condition_like(cond)) if g == 2 else cond
     canvas, unknown = torch.zeros(g * st.B, L, C, device=st.device), torch.ones(g * st.B, L, device=st.device)
@@ -310,7 +309,7 @@ def predict(u, st, N, T, m):
     as measured): the plain rollout runs N transformer passes and the head on P_i; recording runs the
     head on U_i instead at the AR steps that are trained or precede a trained one (expected, m of N
     drawn uniformly); MTE runs the head on S·B·L rows; the update as fitted, at the mean |U_i|."""
-    L, B, S = st.model.seq_len, st.B, st.cfgs["mar-grpo"].mte_seeds
+    L, B, S = st.model.seq_len, st.B, st.settings["mar-grpo"].mte_seeds
 
     def head(rows):  # seconds of T diffusion steps on `rows` token rows
         return T * np.interp(rows, u.rows, u.head)
@@ -353,81 +352,8 @@ def bench_mar_base(args, opts, out):
     return res
 
 
-def saved_activation_bytes(fn, params=()):
-    """Run fn() and return (bytes of the distinct storages autograd saved for backward, parameters
-    excluded, fn's result)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
-def bench_head_memory(args, opts, out):
-    """The head's part of one trained AR step (rollout.transition_mean of the rollout trajectory, K
-    diffusion steps over 2n guided rows, and of the MTE seeds, S × K steps over the uncertain rows),
-    random weights at the preset's head size, measured at --head-rows unknown tokens and scaled
-    linearly (saved bytes are proportional to rows) to AR step 0 of the preset: every token unknown,
-    G images a process."""
-    if args.model == "harmon":
-        config = models.harmon_config(args)
-        c, p = config["mar"], config["mar"].get("patch_size", 1)
-        h, w = config.get("image_shape") or [c["img_size"] // c["vae_stride"] // p] * 2  # the released: 32 × 32 at 512 px
-        C, D, depth, width, L = c["vae_embed_dim"] * p ** 2, c["decoder_embed_dim"], c["diffloss_d"], c["diffloss_w"], h * w
-    elif args.model.startswith("mar_"):
-        ref = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size)
-        C, D, L = ref.token_embed_dim, ref.decoder_embed.out_features, ref.seq_len
-        depth, width = len(ref.diffloss.net.res_blocks), ref.diffloss.net.model_channels
-        del ref
-    else:
-        raise ValueError(f"head_memory: --preset {opts.preset} (--model {args.model}): measured for harmon and mar_* presets")
-    cfg = flags.grpo_config(args)
-    K, S, R = args.train_diff_steps, cfg.mte_seeds, opts.head_rows
-    U = max(1, round(cfg.top_k * R))  # uncertain rows among them
-    scale = L * args.group_size / R
-    torch.manual_seed(0)
-    head = DiffLoss(C, D, depth, width, args.num_sampling_steps).requires_grad_(False)
-    steps = list(range(1, K + 1))
-    x_t, x_seeds = torch.randn(K, R, C), torch.randn(K, S, U, C)
-    z = torch.randn(R, D, requires_grad=True)
-    out(f"head {depth} × {width} (token {C}, z {D}), T = {args.num_sampling_steps}, K = {K} trained diffusion steps, "
-        f"S = {S}, guidance {args.cfg}; measured at {R} unknown tokens ({U} uncertain), scaled ×{scale:.0f} to "
-        f"{L} tokens × G = {args.group_size} images (AR step 0 of the preset)")
-
-    zs = z[:U].expand(S, U, D)
-
-    def step_head(store, k=K, parts=("rollout", "seeds")):  # as policy.rollout_loss calls the head
-        loss = rollout.transition_mean(head, x_t[:k], steps[:k], z, z, args.cfg, store).sum() if "rollout" in parts else 0
-        if S and "seeds" in parts:
-            loss = loss + rollout.transition_mean(head, x_seeds[:k], steps[:k], zs, zs, args.cfg, store).sum()
-        return loss
-    res = {}
-    for store in (False, True):
-        t0 = time.perf_counter()
-        saved, loss = saved_activation_bytes(lambda: step_head(store), head.parameters())
-        loss.backward()
-        res[store] = dict(saved=saved, seconds=time.perf_counter() - t0)
-        del loss
-    # the backward pass recomputes one diffusion step's head call at a time: the larger of the two
-    one = max(saved_activation_bytes(lambda: step_head(False, 1, (part,)), head.parameters())[0] for part in ("rollout", "seeds"))
-    peak_after = res[True]["saved"] + one
-    gb = lambda b: f"{b * scale / 2 ** 30:.1f} GB"
-    out(f"  saved by the forward pass, all K{' and S × K' if S else ''} head graphs (no recomputation): {gb(res[False]['saved'])}")
-    out(f"  recomputed per diffusion step: {gb(res[True]['saved'])} saved + {gb(one)} while one step is recomputed = "
-        f"{gb(peak_after)} at the peak ({res[False]['saved'] / peak_after:.1f}× less)")
-    out(f"  time, forward + backward of the head: recomputed / kept {res[True]['seconds'] / res[False]['seconds']:.2f}×")
-    return dict(rows=R, scale=scale, before=res[False]["saved"] * scale, after=peak_after * scale,
-                time_ratio=res[True]["seconds"] / res[False]["seconds"])
-
-
 SECTIONS = dict(step=bench_step, reward=bench_reward, flops=bench_flops, scaling=bench_scaling,
-                mar_base=bench_mar_base, head_memory=bench_head_memory)
+                mar_base=bench_mar_base, head_memory=memory.bench_head_memory)
 DEFAULT = ["step", "reward", "flops", "scaling"]
 
 

@@ -16,6 +16,8 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
+import zipfile
 
 import torch
 
@@ -32,6 +34,66 @@ def read_checkpoint(path, flag="--init"):
     except Exception as e:  # corrupt, truncated, or not a torch file
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ValueError(f"{flag} {path}: cannot read checkpoint ({type(e).__name__}: {reason})") from None
+
+
+def read_state_dict(path, flag=None, unwrap=("state_dict",)):
+    """The tensors of a weights file or folder, on the CPU: a folder of `.safetensors` files (a
+    sharded Hugging Face checkpoint), a safetensors file, a TorchScript archive (OpenAI CLIP), or a
+    torch file read as `read_checkpoint` does, whose dict may wrap the state dict under a key of
+    `unwrap`; a DDP `module.` prefix is stripped, non-tensor entries dropped. A missing or unreadable
+    file is one line naming `flag` (or the file alone when flag is None)."""
+    where = f"{flag} {path}" if flag else str(path)
+    path = str(path)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{where}: folder holds no .safetensors files")
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: no such file: {path}" if flag else f"no such file: {path}")
+    else:
+        files = [path]
+    sd = {}
+    for file in files:
+        try:
+            if file.endswith(".safetensors") or _is_safetensors(file):
+                from safetensors.torch import load_file
+                obj = load_file(file, device="cpu")
+            elif _is_torchscript(file):
+                with warnings.catch_warnings():  # torch.jit.load is deprecated, still the OpenAI format
+                    warnings.simplefilter("ignore")
+                    obj = torch.jit.load(file, map_location="cpu").state_dict()
+            else:
+                with torch.serialization.safe_globals([argparse.Namespace]):
+                    obj = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # absent, truncated, or not a weights file
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{where}: cannot read weights from {file} ({type(e).__name__}: {reason})") from None
+        for key in unwrap:
+            if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+                obj = obj[key]
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: not a state dict ({type(obj).__name__})")
+        sd.update({k: v for k, v in obj.items() if torch.is_tensor(v)})
+    if not sd:
+        raise ValueError(f"{where}: not a state dict (no tensors)")
+    if all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def _is_safetensors(path):
+    """A safetensors file starts with an 8-byte little-endian header length, then a JSON '{'."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < os.path.getsize(path)
+
+
+def _is_torchscript(path):
+    """A TorchScript archive is a zip holding a 'constants.pkl' (a torch.save zip holds none)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(name.endswith("constants.pkl") for name in z.namelist())
 
 
 def state_dict_mismatch(own, sd, ignore=(), display=str):

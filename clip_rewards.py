@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rewards import WEIGHT_FILES, Reward, check_file, load_strict, read_state_dict
+import checkpoints
+from rewards import WEIGHT_FILES, Reward, check_file, load_strict
 
 # OpenAI CLIP normalisation, used by HPS, PickScore's processor, the aesthetic predictor and ImageReward.
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -123,7 +124,7 @@ def convert_pickscore_hf_to_open_clip(hf_state_dict):
 def load_open_clip(model_name, path, key, device="cpu", dtype=torch.float32):
     """Build open_clip `model_name` with random weights (never downloads) and load `path` strictly.
 
-    path: any format of `read_state_dict`; HF `CLIPModel` checkpoints are detected by their
+    path: any format of `checkpoints.read_state_dict`; HF `CLIPModel` checkpoints are detected by their
           'vision_model.'/'text_model.' keys and converted.
     key:  the weights key, for error messages.
     Returns the model in eval mode, frozen, on `device` in `dtype`.
@@ -131,7 +132,7 @@ def load_open_clip(model_name, path, key, device="cpu", dtype=torch.float32):
     import open_clip
 
     path = check_file(path, key)
-    state_dict = read_state_dict(path)
+    state_dict = checkpoints.read_state_dict(path)
     if any(k.startswith(("vision_model.", "text_model.")) for k in state_dict):
         state_dict = convert_pickscore_hf_to_open_clip(state_dict)
     state_dict = {k: v for k, v in state_dict.items() if k not in _IGNORED_KEYS}
@@ -319,7 +320,7 @@ class AestheticReward(_OpenClipReward):
         model = load_open_clip(model_name, aesthetic_clip, "aesthetic_clip", device, dtype)
         super().__init__(model, model_name, device, dtype, batch_size)
         self.head = AestheticMLP(model.visual.output_dim)
-        load_strict(self.head, read_state_dict(head_path), head_path,
+        load_strict(self.head, checkpoints.read_state_dict(head_path), head_path,
                     f"the LAION aesthetic MLP on {model.visual.output_dim}-d features "
                     f"(expected {WEIGHT_FILES['aesthetic'][0]})")
         self.head = self.head.to(self.device).eval().requires_grad_(False)

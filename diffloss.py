@@ -25,11 +25,10 @@ Where this file departs from what one might expect:
 3. With CFG, `x_t` has one copy (the guided rows) and `z` has 2N rows [cond; null]; the outputs
    equal the official sampler's first half.
 4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
-5. RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
+   RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
    ill-conditioned in float32 for its log-probability to be recomputed.
-6. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1]: at the pure-noise step 1/√α ≈ 1300
-   (T = 25), so a briefly trained head samples tokens of size ~800. Pixel tokens have a known
-   range, so the small models clamp.
+5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1]: 1/√α ≈ 1300 at the pure-noise step
+   (T = 25), so a briefly trained head samples tokens of size ~800; the small (pixel) models clamp.
 """
 
 import math
@@ -55,11 +54,7 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden_size, frequency_embedding_size=256):
         super().__init__()
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
-            nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size, bias=True),
-        )
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
         self.frequency_embedding_size = frequency_embedding_size
 
     def forward(self, t):
@@ -76,11 +71,7 @@ class ResBlock(nn.Module):
         super().__init__()
         self.channels = channels
         self.in_ln = nn.LayerNorm(channels, eps=1e-6)
-        self.mlp = nn.Sequential(
-            nn.Linear(channels, channels, bias=True),
-            nn.SiLU(),
-            nn.Linear(channels, channels, bias=True),
-        )
+        self.mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels, bias=True))
 
     def forward(self, x, y):
@@ -114,11 +105,8 @@ class SimpleMLPAdaLN(nn.Module):
     def __init__(self, in_channels, model_channels, out_channels, z_channels, num_res_blocks,
                  grad_checkpointing=False):
         super().__init__()
-        self.in_channels = in_channels
-        self.model_channels = model_channels
-        self.out_channels = out_channels
-        self.num_res_blocks = num_res_blocks
-        self.grad_checkpointing = grad_checkpointing
+        self.in_channels, self.model_channels, self.out_channels = in_channels, model_channels, out_channels
+        self.num_res_blocks, self.grad_checkpointing = num_res_blocks, grad_checkpointing
 
         self.time_embed = TimestepEmbedder(model_channels)
         self.cond_embed = nn.Linear(z_channels, model_channels)
@@ -137,13 +125,11 @@ class SimpleMLPAdaLN(nn.Module):
         nn.init.normal_(self.time_embed.mlp[0].weight, std=0.02)
         nn.init.normal_(self.time_embed.mlp[2].weight, std=0.02)
         # adaLN modulations and the output layer start at zero, as in DiT
-        for block in self.res_blocks:
-            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
-            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
-        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
-        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
-        nn.init.constant_(self.final_layer.linear.weight, 0)
-        nn.init.constant_(self.final_layer.linear.bias, 0)
+        zeroed = [b.adaLN_modulation[-1] for b in self.res_blocks] + [self.final_layer.adaLN_modulation[-1],
+                                                                       self.final_layer.linear]
+        for layer in zeroed:
+            nn.init.constant_(layer.weight, 0)
+            nn.init.constant_(layer.bias, 0)
 
     def forward(self, x, t, c):
         x = self.input_proj(x)
@@ -276,8 +262,7 @@ class DiffLoss(nn.Module):
 
     target_channels: C, the token size; z_channels: D; depth/width: the MLP's residual blocks
     and width; num_sampling_steps: T (int or the official string, e.g. "100");
-    clip_denoised: clamp x̂0 to [-1, 1] when sampling (False, as official, for VAE latents; True
-    for pixel tokens, whose range is known: see the module docstring, item 6).
+    clip_denoised: clamp x̂0 to [-1, 1] when sampling (VAE latents: no, as official; pixel tokens: yes).
     """
 
     def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False,
@@ -300,8 +285,7 @@ class DiffLoss(nn.Module):
     def num_sampling_steps(self):
         return self.gen_schedule.num_steps
 
-    def trainable_steps(self):
-        """The sampling steps RL may train (the policy interface; see `trainable_steps`)."""
+    def trainable_steps(self):  # the sampling steps RL may train (the policy interface; `trainable_steps`)
         return trainable_steps(self.num_sampling_steps)
 
     def forward(self, target, z, mask=None, generator=None):
@@ -360,11 +344,9 @@ class DiffLoss(nn.Module):
             eps = eps_null + w * (eps - eps_null)
         return sched.p_mean_variance(eps, v, x_t, k, self.clip_denoised)
 
-    def noisy(self, k):
-        """Whether sampling step k adds noise (all but the last, k = 0)."""
+    def noisy(self, k):  # whether sampling step k adds noise: all but the last, k = 0
         return k > 0
 
-    @torch.no_grad()
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
         """Ancestral sampling of tokens from conditions (docs/method.md §1): `reverse_sample` with this head."""
         return reverse_sample(self, z, self.in_channels, temperature, cfg, generator, record_steps)
@@ -373,8 +355,7 @@ class DiffLoss(nn.Module):
 # -----------------------------------------------------------------------------
 # The reverse loop every head shares (MAR's, Harmon's and NOVA's heads)
 
-def step_list(steps):
-    """Sampling-step indices as a list of Python ints (one host sync if they are a device tensor)."""
+def step_list(steps):  # sampling-step indices as Python ints (one host sync if a device tensor)
     return steps.tolist() if torch.is_tensor(steps) else [int(k) for k in steps]
 
 

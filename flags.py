@@ -9,6 +9,7 @@ which processes.cli prints as `error: ...` with exit status 2.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -95,7 +96,7 @@ def number(kind, low=-math.inf, high=math.inf, low_open=False, high_open=False):
     return parse
 
 
-def optional_tau(text):
+def optional_tau(text):  # the consistency threshold: a number or 'off'
     return "off" if text.lower() == "off" else number(float)(text)
 
 
@@ -119,7 +120,7 @@ def build_parser():
     a("--seed", type=NONNEG_INT, default=0, help="global seed; every step's randomness derives from (seed, step, rank)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
     a("--threads", type=NONNEG_INT, default=0, help="torch CPU threads (0: torch's default)")
-    a("--wandb", action="store_true", help="also log to Weights & Biases (if installed)")
+    a("--wandb", action="store_true", help="also log to Weights & Biases (needs the wandb package)")
     # model: "small" is built from the size flags (pixel tokens, prompt conditioning);
     # mar_base / mar_large / mar_huge are the official models (KL-16 latents, class labels)
     a("--model", default="small", choices=models.MODELS, help="which policy (models.py)")
@@ -138,8 +139,6 @@ def build_parser():
       help="shapes images of pretraining and the probes: objects aligned to cells of this many pixels (0 = free)")
     a("--unmentioned", type=number(float, 0, 1), default=0.0,
       help="pretraining images: probability of one more object than the prompt says (shapes.make_dataset)")
-    a("--mask-schedule", default="official", choices=["official", "cosine"],
-      help="pretraining mask ratios: official truncated normal, or cos(π/2·u) (small model; mar.py item 5)")
     a("--mask-ratio-min", type=FRACTION, default=0.7, help="lowest MAE mask ratio of pretraining (the official 0.7)")
     a("--vae", default=None, help="KL-16 VAE .ckpt (LDM format) for MAR and Harmon; NOVA: its vae/ folder (default: beside --init)")
     # sampling
@@ -179,7 +178,8 @@ def build_parser():
     a("--policy-positions", default=None, choices=["unknown", "predicted"],
       help="policy term on U_i (released) or only on P_i, the tokens written at the trained step")
     a("--mte-positions", default=None, choices=["unknown", "predicted"], help="MTE on uncertain U_i (released) or P_i only")
-    a("--tau", type=optional_tau, default=None, help="consistency threshold τ, or 'off'")
+    a("--consistency-threshold", "--tau", dest="tau", type=optional_tau, default=None,
+      help="consistency-aware token selection: keep tokens whose Δsim exceeds this (0), or 'off' (masks.py)")
     a("--train-head", default=None, choices=["yes", "no"], help="train the diffusion head")
     # rewards and prompts
     a("--reward", default="shapes", help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5")
@@ -211,15 +211,15 @@ def parse_args(argv=None):
     return args
 
 
-def grpo_config(args):
+def grpo_settings(args):
     """The method's settings (docs/method.md §7) with every component flag that was given on top."""
-    cfg = grpo.GRPOConfig(**grpo.METHODS[args.method])
-    for f in fields(grpo.GRPOConfig):
+    settings = grpo.GRPOSettings(**grpo.METHODS[args.method])
+    for f in fields(grpo.GRPOSettings):
         value = getattr(args, f.name)
         if value is not None:
-            setattr(cfg, f.name, {"off": None}.get(value, value) if f.name == "tau" else
+            setattr(settings, f.name, {"off": None}.get(value, value) if f.name == "tau" else
                     (value == "yes") if f.name == "train_head" else value)
-    return cfg.validate()
+    return settings.validate()
 
 
 def check_inputs(args, world):
@@ -227,7 +227,7 @@ def check_inputs(args, world):
     FileNotFoundError / PermissionError naming it. Reads, never writes. (Single flags were checked
     when parsed; file contents are checked next, by loading them, still before the first write.)
     world: the number of processes. Returns the GRPO config."""
-    cfg = grpo_config(args)
+    settings = grpo_settings(args)
     if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
         raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
     if args.prompts_per_step % (world * args.grad_accum):
@@ -250,9 +250,11 @@ def check_inputs(args, world):
             raise FileNotFoundError(f"--{name.replace('_', '-')}: no such file: {path}")
     rewarded = args.stage != "pretrain" or args.eval_only
     check_model_inputs(args, [name for name, _ in rewards.parse_reward_spec(args.reward)] if rewarded else None)
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb: the wandb package is not installed (pip install wandb, or drop --wandb)")
     if args.resume == "yes" and not checkpoints.checkpoint_names(os.path.join(args.out, "ckpt")):
         raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(args.out, 'ckpt')} (--resume auto starts fresh if none)")
-    return cfg
+    return settings
 
 
 def check_model_inputs(args, reward_names=None):

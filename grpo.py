@@ -42,7 +42,7 @@ import torch
 
 
 @dataclass
-class GRPOConfig:
+class GRPOSettings:
     """Everything the objective needs to know; `METHODS` name the paper's variants (docs/method.md §7)."""
     beta: float = 0.01            # KL weight β
     kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"

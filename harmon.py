@@ -62,19 +62,21 @@ _MAR_KL16 = dict(img_size=256, vae_stride=16, patch_size=1, vae_embed_dim=16, ml
                  num_sampling_steps="100", diffusion_batch_mul=4, grad_checkpointing=False, layernorm_eps=1e-6)
 # The released models (configs/models/qwen2_5_{0_5b_kl16_mar_b,1_5b_kl16_mar_h}.py): Qwen2.5-Instruct
 # + MAR-B / MAR-H (LayerNorm eps 1e-6) at the native 16×16 grid, sampled at 32×32 (512 px).
+
+
+def _release(llm_width, llm_mlp, llm_layers, llm_heads, mar_width, mar_depth, mar_heads, head_depth, head_width):
+    """A released Harmon's config from its sizes (Qwen2.5 with 2 key-value heads, a KL-16 MAR)."""
+    return dict(llm=dict(_QWEN25, hidden_size=llm_width, intermediate_size=llm_mlp, num_hidden_layers=llm_layers,
+                         num_attention_heads=llm_heads, num_key_value_heads=2),
+                mar=dict(_MAR_KL16, encoder_embed_dim=mar_width, encoder_depth=mar_depth, encoder_num_heads=mar_heads,
+                         decoder_embed_dim=mar_width, decoder_depth=mar_depth, decoder_num_heads=mar_heads,
+                         diffloss_d=head_depth, diffloss_w=head_width),
+                vae_scale=0.2325, image_shape=[32, 32])
+
+
 CONFIGS = {
-    "harmon_0.5b": dict(
-        llm=dict(_QWEN25, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-        mar=dict(_MAR_KL16, encoder_embed_dim=768, encoder_depth=12, encoder_num_heads=12, decoder_embed_dim=768,
-                 decoder_depth=12, decoder_num_heads=12, diffloss_d=6, diffloss_w=1024),
-        vae_scale=0.2325, image_shape=[32, 32]),
-    "harmon_1.5b": dict(
-        llm=dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-        mar=dict(_MAR_KL16, encoder_embed_dim=1280, encoder_depth=20, encoder_num_heads=16, decoder_embed_dim=1280,
-                 decoder_depth=20, decoder_num_heads=16, diffloss_d=12, diffloss_w=1536),
-        vae_scale=0.2325, image_shape=[32, 32]),
+    "harmon_0.5b": _release(896, 4864, 24, 14, 768, 12, 12, 6, 1024),  # Qwen2.5-0.5B + MAR-B
+    "harmon_1.5b": _release(1536, 8960, 28, 12, 1280, 20, 16, 12, 1536),  # Qwen2.5-1.5B + MAR-H
 }
 
 
@@ -147,9 +149,8 @@ class Harmon(nn.Module):
         return x.reshape(bsz, c, h * p, w * p)
 
     def sample_orders(self, bsz, generator=None):
-        """(B, L) random generation orders on the sampling grid, one permutation per row."""
-        noise = torch.rand(bsz, self.seq_len, device=self.mar.fake_latent.device, generator=generator)
-        return torch.argsort(noise, dim=1)
+        """(B, L) random generation orders on the sampling grid (mar.random_orders)."""
+        return mar_lib.random_orders(bsz, self.seq_len, self.mar.fake_latent.device, generator)
 
     def ar_schedule(self, num_iter, seq_len):
         """Tokens written at each AR step: |U_{i+1}| = max(1, min(|U_i| − 1, ⌊L cos(π/2 (i+1)/N)⌋)),
@@ -322,35 +323,6 @@ def build(config):
     return Harmon(config["llm"], config["mar"], config.get("vae_scale", 0.2325), config.get("image_shape"))
 
 
-def read_state_dict(path, flag="--init"):
-    """The state dict in an official `harmon_*.pth` (a plain dict; also one wrapped under
-    'state_dict' / 'model' / 'module', or with DDP 'module.' prefixes), a `.safetensors` file, or
-    a Hugging Face Harmon folder (its `*.safetensors`, same key names). One-line errors name path."""
-    if os.path.isdir(path):
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{flag} {path}: folder holds no .safetensors files")
-        from safetensors.torch import load_file
-        sd = {}
-        for f in files:
-            sd.update(load_file(os.path.join(path, f)))
-    elif path.endswith(".safetensors"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{flag}: no such file: {path}")
-        from safetensors.torch import load_file
-        sd = load_file(path)
-    else:
-        sd = checkpoints.read_checkpoint(path, flag)
-    for wrapper in ("state_dict", "model", "module"):
-        if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
-            sd = sd[wrapper]
-    if not isinstance(sd, dict) or not all(torch.is_tensor(v) for v in sd.values()):
-        raise ValueError(f"{flag} {path}: not a Harmon state dict (expected a dict of tensors)")
-    if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
-    return sd
-
-
 def load_harmon(path, config, flag="--init"):
     """Build a Harmon from `config` (a dict, or a name in CONFIGS) and load the weights at `path`
     (strict except vae.*); returns it in eval mode, float32 on the CPU."""
@@ -359,7 +331,9 @@ def load_harmon(path, config, flag="--init"):
             raise ValueError(f"unknown Harmon config {config!r}; choose from {sorted(CONFIGS)}")
         config = CONFIGS[config]
     model = build(config)
-    model.load_state_dict(read_state_dict(path, flag), strict=True, path=path, flag=flag)
+    # a harmon_*.pth (a plain dict, or one under 'state_dict' / 'model' / 'module'), a .safetensors file or an HF folder
+    sd = checkpoints.read_state_dict(path, flag, unwrap=("state_dict", "model", "module"))
+    model.load_state_dict(sd, strict=True, path=path, flag=flag)
     return model.eval()
 
 

@@ -57,7 +57,8 @@ from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisio
 
 from clip_rewards import (OPENAI_MEAN, OPENAI_STD, AestheticMLP, normalize, quantize_8bit,
                           resize_shortest_side_and_center_crop)
-from rewards import CKPT_FLAG, WEIGHT_FILES, Reward, check_file, load_strict, read_state_dict
+import checkpoints
+from rewards import CKPT_FLAG, WEIGHT_FILES, Reward, check_file, load_strict
 
 # The published standardisation of the MLP output (ImageReward.py, `ImageReward.__init__`).
 IMAGEREWARD_MEAN = 0.16717362830052426
@@ -179,7 +180,7 @@ def convert_imagereward_checkpoint(state_dict):
 def load_imagereward(path, arch=ImageRewardArch(), device="cpu", dtype=torch.float32):
     """ImageReward.pt (checked by `check_file` beforehand) -> `ImageRewardModel`, strictly loaded,
     in eval mode, frozen, on `device` in `dtype`. A file that does not fit is a one-line ValueError."""
-    state_dict = convert_imagereward_checkpoint(read_state_dict(path))
+    state_dict = convert_imagereward_checkpoint(checkpoints.read_state_dict(path))
     model = ImageRewardModel(arch)
     load_strict(model, state_dict, path, f"{arch.describe()} (expected {WEIGHT_FILES['imagereward'][0]})")
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -6,34 +6,24 @@ so official checkpoints load with `strict=True`:
 - an MAE encoder reads the *known* tokens plus `buffer_size` condition slots, an MAE decoder
   fills every position with a mask token where unknown and outputs z (B, L, D) per position;
 - the diffusion head (diffloss.py) turns z into tokens.
-Generation (`sample_tokens`) runs N steps over a random order; after step i the number of
-unknown tokens is floor(L cos(π/2 (i+1)/N)), at least one token a step (`ar_schedule`).
+Generation (`sample_tokens`) runs N steps over a random order; after step i, floor(L cos(π/2 (i+1)/N))
+tokens are unknown, at least one fewer each step (`ar_schedule`).
 
 What this file adds or changes, in order of importance:
-1. The policy interface of rollout.py (`condition`, `null_condition_like`, `predict_z`,
-   `ar_schedule`, `sample_orders`, the head `diffloss`), so the model-agnostic recorder and loss
-   drive this MAR as they drive Harmon and NOVA. `sample_tokens` stays the plain official loop;
-   RL recording lives in rollout.py, not here.
+1. The policy interface of rollout.py (`condition`, `null_condition_like`, `predict_z`, `ar_schedule`,
+   `sample_orders`, the head `diffloss`), so the model-agnostic recorder and loss drive this MAR as
+   they drive Harmon and NOVA. `sample_tokens` stays the plain official loop.
 2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
    first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
    condition of classifier-free guidance. The class path is unchanged.
-3. All randomness goes through a `torch.Generator`, the device comes from the model's tensors, and
-   the schedule is computed in Python ints (the official code uses global numpy state, `.cuda()`).
-   With the same orders and noise, `sample_tokens` computes what the official code computes in
-   eval mode (tested against an independent transcription of the official loop).
-4. `local_conv=k` (small models only; 0, official, by default): a zero-initialised k×k convolution
-   over the decoder's token grid, added to its input after the position embedding. The small MAR
-   trained for minutes on a CPU does not learn which tokens are neighbours from learned position
-   embeddings (its z ignores the canvas around a position); this prior gives it that locality
-   (docs/research_log.md). Official models never set it; their checkpoints load as before.
-5. `mask_schedule="cosine"` (small models only; "official" by default): pretraining masks a
-   fraction cos(π/2·u), u ~ U(0, 1), of the images of a batch, as MaskGIT does. The official
-   truncated normal (loc 1, scale 0.25, ≥ 0.7) never shows more than 30% of an image, while
-   sampling's later AR steps condition on 40-98% of it. Measured on the shapes world, it did not
-   help the small MAR (docs/research_log.md), so nothing uses it by default.
-
-The pixel codec lives at the end of the file; the KL-16 VAE is vae.py, and loading official
-`.pth` files (and ours) is models.load_checkpoint.
+3. All randomness goes through a `torch.Generator`, the device comes from the model's tensors
+   (the official code uses global numpy state and `.cuda()`). With the same orders and noise,
+   `sample_tokens` computes what the official code computes in eval mode (tested).
+4. `local_conv=k` (small models only; 0 by default, as official): a zero-initialised k×k
+   convolution over the decoder's token grid after the position embedding. The small MAR trained
+   for minutes on a CPU does not learn which tokens are neighbours from learned position
+   embeddings; this prior gives it that locality (docs/research_log.md).
+The pixel codec ends the file; the KL-16 VAE is vae.py; loading `.pth` files, models.load_checkpoint.
 """
 
 import math
@@ -58,6 +48,12 @@ def unknown_after_step(step, num_iter, seq_len, num_unknown):
     return max(1, min(num_unknown - 1, target))
 
 
+def random_orders(bsz, seq_len, device, generator=None):
+    """(B, L) generation orders, one random permutation of 0 … L−1 per row: the argsort of uniform
+    noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all take theirs here)."""
+    return torch.argsort(torch.rand(bsz, seq_len, device=device, generator=generator), dim=1)
+
+
 class MAR(nn.Module):
     """Masked autoregressive model with a diffusion head (official arguments and defaults).
 
@@ -73,8 +69,7 @@ class MAR(nn.Module):
                  vae_embed_dim=16, mask_ratio_min=0.7, label_drop_prob=0.1, class_num=1000,
                  attn_dropout=0.1, proj_dropout=0.1, buffer_size=64,
                  diffloss_d=3, diffloss_w=1024, num_sampling_steps='100', diffusion_batch_mul=4,
-                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0,
-                 mask_schedule="official"):
+                 grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0):
         super().__init__()
         norm_eps = norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
@@ -87,7 +82,7 @@ class MAR(nn.Module):
             proj_dropout=proj_dropout, buffer_size=buffer_size, diffloss_d=diffloss_d, diffloss_w=diffloss_w,
             num_sampling_steps=str(num_sampling_steps), diffusion_batch_mul=diffusion_batch_mul,
             grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised,
-            local_conv=local_conv, mask_schedule=mask_schedule)
+            local_conv=local_conv)
 
         # tokens
         self.vae_embed_dim = vae_embed_dim
@@ -107,9 +102,6 @@ class MAR(nn.Module):
         if text_vocab_size > 0:
             self.text_emb = nn.Embedding(text_vocab_size, encoder_embed_dim)
         self.mask_ratio_min = mask_ratio_min
-        if mask_schedule not in ("official", "cosine"):
-            raise ValueError(f"mask_schedule must be 'official' or 'cosine', got {mask_schedule!r}")
-        self.mask_schedule = mask_schedule  # not in the official MAR: see the module docstring, item 5
 
         # MAE encoder
         self.z_proj = nn.Linear(self.token_embed_dim, encoder_embed_dim, bias=True)
@@ -135,9 +127,8 @@ class MAR(nn.Module):
             self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv, padding=local_conv // 2)
 
         self.initialize_weights()
-        if local_conv:  # zero-initialised: the model starts as the official one
-            nn.init.zeros_(self.decoder_local_conv.weight)
-            nn.init.zeros_(self.decoder_local_conv.bias)
+        for p in self.decoder_local_conv.parameters() if local_conv else ():  # zero: it starts as the official model
+            nn.init.zeros_(p)
 
         # diffusion head
         self.diffloss = DiffLoss(target_channels=self.token_embed_dim, z_channels=decoder_embed_dim,
@@ -187,25 +178,18 @@ class MAR(nn.Module):
         return x.reshape(bsz, c, self.seq_h * p, self.seq_w * p)  # (B, C, H, W)
 
     def sample_orders(self, bsz, generator=None):
-        """(B, L) random generation orders: one random permutation of 0 … L−1 per row."""
-        device = self.fake_latent.device
-        return torch.argsort(torch.rand(bsz, self.seq_len, device=device, generator=generator), dim=1)
+        """(B, L) random generation orders (`random_orders`)."""
+        return random_orders(bsz, self.seq_len, self.fake_latent.device, generator)
 
     def random_masking(self, x, orders, generator=None):
-        """MAE training mask (B, L), 1 = masked: the first ⌈L·ratio⌉ positions of each order.
-
-        official: a normal(1, 0.25) truncated to [mask_ratio_min, 1] (inverse-CDF sampling). cosine
-        (small models, item 5 of the module docstring): cos(π/2·u), u ~ U(0, 1), the unknown fractions
-        that `sample_tokens` meets. One ratio per batch either way (the encoder keeps the same number
-        of tokens in every row)."""
+        """MAE training mask (B, L), 1 = masked: the first ⌈L·ratio⌉ positions of each order, the
+        ratio a normal(1, 0.25) truncated to [mask_ratio_min, 1] (inverse-CDF sampling), one per
+        batch (the encoder keeps the same number of tokens in every row)."""
         bsz, seq_len, _ = x.shape
         u = torch.rand((), generator=generator, dtype=torch.float64, device=orders.device).cpu()
-        if self.mask_schedule == "cosine":
-            mask_rate = math.cos(math.pi / 2 * u.item())
-        else:
-            a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
-            mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
-        num_masked = int(math.ceil(seq_len * mask_rate))  # >= 1: u < 1, so the cosine ratio is > 0
+        a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
+        mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
+        num_masked = int(math.ceil(seq_len * mask_rate))
         mask = torch.zeros(bsz, seq_len, device=x.device)
         return torch.scatter(mask, -1, orders[:, :num_masked], 1.0)
 
@@ -397,6 +381,8 @@ def build_mar(config):
     """A MAR from a plain config dict (as saved in `MAR.config`)."""
     config = dict(config)
     norm_eps = config.pop("norm_eps", 1e-6)
+    if config.pop("mask_schedule", "official") != "official":  # a small base's config may record the official one
+        raise ValueError("config: only the official mask schedule (a truncated normal ratio) is built")
     return MAR(norm_layer=partial(nn.LayerNorm, eps=norm_eps), **config)
 
 

@@ -46,7 +46,7 @@ def small_mar_config(args):
                 diffloss_d=args.head_depth, diffloss_w=args.head_width, mask_ratio_min=args.mask_ratio_min,
                 num_sampling_steps=str(args.num_sampling_steps), attn_dropout=0.0, proj_dropout=0.0,
                 diffusion_batch_mul=args.diffusion_batch_mul, text_vocab_size=len(shapes.VOCAB), clip_denoised=True,
-                local_conv=args.local_conv, mask_schedule=args.mask_schedule)
+                local_conv=args.local_conv)
 
 
 def _ours(path):

@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 import checkpoints
+from mar import random_orders
 from nova_heads import DiffusionMLP, PatchEmbed, make_head
 
 # The official architecture registry (transformer_nova.py): name -> kind and sizes
@@ -262,9 +262,8 @@ class NOVA(nn.Module):
         return [a - b for a, b in zip(lengths, lengths[1:]) if a > b]
 
     def sample_orders(self, bsz, generator=None):
-        """(B, L) generation orders: argsort of uniform noise per row (the official draw)."""
-        u = torch.rand(bsz, self.seq_len, device=self.mask_embed.mask_token.device, generator=generator)
-        return torch.argsort(u, dim=1)
+        """(B, L) generation orders: the argsort of uniform noise per row, the official draw (mar.random_orders)."""
+        return random_orders(bsz, self.seq_len, self.mask_embed.mask_token.device, generator)
 
     # -------------------------------------------------------------------------
     # condition and z
@@ -352,11 +351,7 @@ def load_nova(path, scheduler=None, num_sampling_steps=25, arch_defs=None):
                        num_diffusion_steps=num_sampling_steps, arch_defs=arch_defs))
     sd = {}
     for file in files:
-        try:
-            sd.update(load_file(str(file)))
-        except Exception as e:  # absent, truncated or not a safetensors file
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{file}: cannot read safetensors ({type(e).__name__}: {reason})") from None
+        sd.update(checkpoints.read_state_dict(file))
     checkpoints.check_state_dict(model, sd, files[0] if len(files) == 1 else folder)
     model.load_state_dict(sd, strict=True)
     return model.eval()

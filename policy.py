@@ -54,21 +54,21 @@ def recompute_z(model, step, inputs, guided):
     return z_cond, (z[bsz:].gather(1, idx) if guided else None)
 
 
-def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, uncertain=None, old=None):
+def rollout_loss(model, ref_model, rollout, j, inputs, adv, settings, seeds=None, uncertain=None, old=None):
     """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (grpo.ar_step_objective).
 
     model / ref_model: the policy and the frozen reference (the policy interface of rollout.py);
     rollout: a rollout.Rollout; j: index into rollout.steps; inputs: the rollout's condition
-    inputs; adv: (B,) advantages; config: grpo.GRPOConfig (the method's settings; the guidance
+    inputs; adv: (B,) advantages; settings: grpo.GRPOSettings (the method's settings; the guidance
     weight is `w`, the step's own); seeds: MTE trajectories from `mte.sample_trajectories` (or
     None); uncertain: (B, L) bool M_unc (or None);
     old: this step's ℓ_old from the first inner epoch (None in the first epoch).
     returns (loss, stats: dict of 0-dim tensors, detached (no host sync here), old for later epochs)
     """
     step = rollout.steps[j]
-    guided = rollout.z_final_null is not None and config.train_cfg == "rollout"
+    guided = rollout.z_final_null is not None and settings.train_cfg == "rollout"
     w = step.cfg if guided else 1.0
-    clip = config.clip_eps if config.inner_epochs > 1 else None
+    clip = settings.clip_eps if settings.inner_epochs > 1 else None
     A = adv[None, :, None, None]  # (1, B, 1, 1)
 
     # the rollout trajectory: ℓ_θ per element, (K, B, n, C)
@@ -84,7 +84,7 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, 
     # multi-trajectory expectation on the uncertain unknown positions (mte.py)
     if seeds is not None:
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
-        if config.mte_positions == "predicted":  # only where the seeds' z_final is this step's z_i
+        if settings.mte_positions == "predicted":  # only where the seeds' z_final is this step's z_i
             unc = unc & pred
         logp_s = mte.seed_logprobs(model.diffloss, seeds, step, z, z_null, w, unc)  # (S, K, B, n, C)
         logp_s_old = logp_s.detach() if old is None else old["logp_seeds"]
@@ -95,21 +95,21 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, config, seeds=None, 
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, rollout.tokens,
-                                  step.unknown, step.pred, config.tau).gather(1, step.unk_idx)  # (B, n)
-    if config.policy_positions == "predicted":  # only the tokens this step wrote into the image
+                                  step.unknown, step.pred, settings.tau).gather(1, step.unk_idx)  # (B, n)
+    if settings.policy_positions == "predicted":  # only the tokens this step wrote into the image
         keep = keep & pred
     stats["keep_frac"] = keep.float().mean()
 
     # KL to the reference policy, on the rollout trajectory over all of U_i
     kl = None
-    if config.beta > 0:
+    if settings.beta > 0:
         with torch.no_grad():
             z_ref, z_ref_null = recompute_z(ref_model, step, inputs, guided)
             mean_ref = transition_mean(ref_model.diffloss, step.x_t, step.diff_steps, z_ref, z_ref_null, w)
             logp_ref = transition_logprob(step.x_prev, mean_ref, step.std)
-        kl = grpo.kl_term(config.kl, mean, mean_ref, step.std, logp, logp_ref)
+        kl = grpo.kl_term(settings.kl, mean, mean_ref, step.std, logp, logp_ref)
 
-    loss, p, k = grpo.ar_step_objective(pi_term, keep, kl, config.beta)
+    loss, p, k = grpo.ar_step_objective(pi_term, keep, kl, settings.beta)
     stats.update(policy_term=p.detach(), kl=k.detach(), ratio_max_dev=(ratio.detach() - 1).abs().max())
     if clip is not None:
         stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
@@ -123,11 +123,11 @@ class PolicyLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ref, record, j, inputs, adv, config, seeds=None, uncertain=None, old=None):
-        return rollout_loss(self.model, ref, record, j, inputs, adv, config, seeds, uncertain, old)
+    def forward(self, ref, record, j, inputs, adv, settings, seeds=None, uncertain=None, old=None):
+        return rollout_loss(self.model, ref, record, j, inputs, adv, settings, seeds, uncertain, old)
 
 
-def backward_rollout(loss_module, ddp, ref, record, inputs, adv, config, seeds, uncertain, olds, autocast,
+def backward_rollout(loss_module, ddp, ref, record, inputs, adv, settings, seeds, uncertain, olds, autocast,
                      scale=1.0, sync=True):
     """L = −mean_i (P_i − β KL_i): backward through each trained AR step's loss / #steps, one step
     at a time (each graph is freed before the next); DDP's all-reduce happens once, on the last.
@@ -141,7 +141,7 @@ def backward_rollout(loss_module, ddp, ref, record, inputs, adv, config, seeds, 
         reduce = not ddp or (sync and j == n - 1)
         with contextlib.nullcontext() if reduce else loss_module.no_sync():
             with autocast():
-                loss, s, old = loss_module(ref, record, j, inputs, adv, config, seeds, uncertain, olds[j])
+                loss, s, old = loss_module(ref, record, j, inputs, adv, settings, seeds, uncertain, olds[j])
             (loss / n * scale).backward()
         stats.append({**s, "loss": loss.detach()})
         new_olds.append(old)

@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -246,49 +244,6 @@ def check_file(path, key):
         what = "no such folder" if key in FOLDER_KEYS else "no such file"
         raise FileNotFoundError(f"{CKPT_FLAG} {key}={path}: {what}; expected {expected} (from {where})")
     return path
-
-
-def _is_safetensors(path):
-    """A safetensors file starts with an 8-byte little-endian header length, then a JSON '{'."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
-
-
-def _is_torchscript(path):
-    """A TorchScript archive is a zip holding a 'constants.pkl' (a torch.save zip holds none)."""
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as z:
-        return any(name.endswith("constants.pkl") for name in z.namelist())
-
-
-def read_state_dict(path):
-    """Read a tensor dict from a safetensors file, a torch file (plain or {'state_dict': ...}),
-    or a TorchScript archive (OpenAI CLIP). Strips a DDP 'module.' prefix. Torch files are read
-    with `weights_only=True`: no pickled code runs."""
-    path = Path(path)
-    try:
-        if path.suffix == ".safetensors" or _is_safetensors(path):
-            from safetensors.torch import load_file
-            obj = load_file(str(path), device="cpu")
-        elif _is_torchscript(path):
-            with warnings.catch_warnings():  # torch.jit.load is deprecated, still the OpenAI format
-                warnings.simplefilter("ignore")
-                obj = torch.jit.load(str(path), map_location="cpu").state_dict()
-        else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot read weights from {path}: {first_line}") from None
-    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict):
-        raise ValueError(f"cannot read weights from {path}: not a state dict ({type(obj).__name__})")
-    obj = {k: v for k, v in obj.items() if torch.is_tensor(v)}
-    if obj and all(k.startswith("module.") for k in obj):
-        obj = {k[len("module."):]: v for k, v in obj.items()}
-    return obj
 
 
 def load_strict(module, state_dict, path, what):

@@ -31,7 +31,7 @@ import test_harmon
 import test_margrpo
 import test_nova
 import train
-from bench import saved_activation_bytes
+from memory import saved_activation_bytes
 from diffloss import DiffLoss
 from test_train_adapters import (DDPM, FLOW, harmon_files, harmon_flags, nova_common, nova_flags,  # noqa: F401 (fixtures)
                                  save_nova_pipeline)
@@ -81,7 +81,7 @@ def test_trainable_parameters_are_exactly_those_the_loss_reaches(kind):
         for w, train_cfg in ((3.0, "rollout"), (1.0, "rollout"), (3.0, "1")):
             base, inputs = tiny(kind)
             base.requires_grad_(False)
-            gcfg = grpo.GRPOConfig(**grpo.METHODS[method], train_cfg=train_cfg)
+            gcfg = grpo.GRPOSettings(**grpo.METHODS[method], train_cfg=train_cfg)
             guided = w != 1.0 and train_cfg == "rollout"
             names = models.trainable_names(SimpleNamespace(model=kind), base, gcfg.train_head, guided)
             model = models.policy_copy(base, names)
@@ -206,7 +206,7 @@ def _eval_worker(rank, world, port, base, out_dir):
         model, codec, prompts = train.load_base(args, ctx, base)
         items = prompts.eval_items(4, args.seed)  # one prompt of each of the 4 categories
         summary = evaluate.evaluate(args, ctx, model, codec, items, prompts, rewards.build_reward("shapes"),
-                                    os.path.join(out_dir, "eval"), "eval", train.score)
+                                    os.path.join(out_dir, "eval"), "eval")
         assert (summary["n"] == 8) if rank == 0 else summary == {}
     finally:
         dist.all_gather_object = gathered_everywhere
@@ -338,7 +338,7 @@ def test_a_trained_ar_step_holds_one_head_graph_whatever_k_and_s():
     policy_model = models.policy_copy(model, names)
     params = list(model.parameters())
     inputs = dict(prompt_ids=torch.tensor([[1, 2, 0], [1, 2, 0], [3, 4, 5], [3, 4, 5]]))
-    gcfg = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
+    gcfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
     saved = {}
     for K in (1, 6):
         plan = rollout.RolloutPlan(ar_steps=[1], diff_steps=[8, 7, 6, 5, 3, 1][:K])

@@ -189,7 +189,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
     prompts = models.load_prompts(args, model)
     reward_fns = {"jpeg_incompressibility": rewards.build_reward("jpeg_incompressibility")}
     rows = evaluate.generate_and_score(args, Rank1(), model, mar.PixelCodec(), prompts, prompts.items, reward_fns,
-                                       str(tmp_path / "r1" / "b"), train.score)
+                                       str(tmp_path / "r1" / "b"))
     assert [(r["prompt_index"], r["image_index"]) for r in rows] == [(1, 1)]  # batch 1 = job 3 alone
     assert not (tmp_path / "r1" / "b" / "scores.jsonl").exists()  # rank 0 writes it
     assert np.array_equal(read_png(tmp_path / "r1" / "b" / rows[0]["file"]), read_png(out / "base" / rows[0]["file"]))

@@ -12,8 +12,6 @@ import torch
 import mar
 import models
 import rewards
-import shapes
-import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))
 import study  # noqa: E402  (registers the study's presets and the shapes_coverage proxy)

@@ -405,26 +405,6 @@ def test_random_masking_ratio_in_range():
     assert abs(sum(ratios) / len(ratios) - expected) < 0.01, (sum(ratios) / len(ratios), expected)
 
 
-def test_cosine_mask_schedule_covers_what_sampling_meets():
-    """mask_schedule="cosine": ratio cos(π/2·u), u ~ U(0, 1), one per batch, at least one token
-    masked: mean 2/π, and a third of the batches show more than half of the image (never with the
-    official schedule)."""
-    model = tiny_mar(img_size=32, mask_schedule="cosine")  # 64 tokens
-    g = torch.Generator().manual_seed(0)
-    x = torch.zeros(3, 64, 48)
-    ratios = []
-    for _ in range(3000):
-        m = model.random_masking(x, model.sample_orders(3, g), g)
-        assert torch.equal(m[0].sum(), m[2].sum()) and m[0].sum() >= 1
-        ratios.append(m[0].mean().item())
-    ratios = torch.tensor(ratios)
-    assert abs(ratios.mean().item() - 2 / math.pi) < 0.02, ratios.mean()
-    assert abs((ratios < 0.5).float().mean().item() - 1 / 3) < 0.03
-    assert ratios.min().item() == 1 / 64 and ratios.max().item() == 1.0
-    with pytest.raises(ValueError, match="mask_schedule"):
-        tiny_mar(mask_schedule="uniform")
-
-
 def test_load_checkpoint_official_format_and_errors(tmp_path):
     model = tiny_mar()
     ema = {k: v + 1.0 if v.is_floating_point() else v for k, v in model.state_dict().items()}
@@ -570,7 +550,7 @@ def test_recorder_and_loss_drive_a_model_that_is_not_a_mar():
                                     plan.diff_steps, torch.Generator().manual_seed(1))
     uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    cfg = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
+    cfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
     for j in range(2):
         model.zero_grad()
         loss, stats, _ = policy.rollout_loss(model, ref, record, j, inputs, adv, cfg, seeds, uncertain)
@@ -595,7 +575,7 @@ def test_recomputed_logp_equals_recorded():
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0, temperature=0.8)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    cfg = grpo.GRPOConfig(beta=0.01, tau=0.0)
+    cfg = grpo.GRPOSettings(beta=0.01, tau=0.0)
     ref = copy.deepcopy(model)
     for j, s in enumerate(record.steps):
         _, stats, _ = policy.rollout_loss(model, ref, record, j, cond, adv, cfg)
@@ -610,7 +590,7 @@ def test_train_cfg_1_recomputes_without_guidance():
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    _, stats, _ = policy.rollout_loss(model, model, record, 1, cond, adv, grpo.GRPOConfig(train_cfg="1"))
+    _, stats, _ = policy.rollout_loss(model, model, record, 1, cond, adv, grpo.GRPOSettings(train_cfg="1"))
     assert stats["logp_parity_err"] > 1e-3  # the released trainer's mismatch, made visible
 
 
@@ -701,13 +681,13 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, new_old, stats
 
-    l1, g1, old, _ = grads(grpo.GRPOConfig(beta=0.0, inner_epochs=1))
-    l2, g2, _, _ = grads(grpo.GRPOConfig(beta=0.0, inner_epochs=3, clip_eps=0.2))  # first epoch: clip cannot bind
+    l1, g1, old, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=1))
+    l2, g2, _, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.2))  # first epoch: clip cannot bind
     assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
     # a later epoch after a parameter change: ρ moves away from 1 and clipping is reported
     with torch.no_grad():
         model.decoder_embed.weight.add_(0.5 * torch.randn_like(model.decoder_embed.weight))
-    _, _, _, stats = grads(grpo.GRPOConfig(beta=0.0, inner_epochs=3, clip_eps=0.01), old=old)
+    _, _, _, stats = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.01), old=old)
     assert stats["ratio_max_dev"] > 0.01 and stats["clip_frac"] > 0
 
 
@@ -727,24 +707,24 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
         p.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    fixed = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
+    fixed = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
     l0, g0 = _loss_and_grads(model, record, cond, adv, fixed)
     # the mar-grpo path, run with seeds but an empty uncertainty mask and a threshold that keeps all
     seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
                                     0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
-    off = grpo.GRPOConfig(**dict(grpo.METHODS["mar-grpo"], tau=-3.0))
+    off = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], tau=-3.0))
     empty = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.0)
     l1, g1 = _loss_and_grads(model, record, cond, adv, off, seeds, empty)
     assert l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
     assert not any(n.startswith("diffloss.") for n in g0)  # a frozen head gets no gradient
     # switching the components on changes the gradient
-    on = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
+    on = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
     l2, g2 = _loss_and_grads(model, record, cond, adv, on, seeds, masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.3))
     assert any(not torch.allclose(g0[n], g2[n]) for n in g0)
     # end-to-end GRPO: the head trains
     for p in model.diffloss.parameters():
         p.requires_grad_(True)
-    _, g3 = _loss_and_grads(model, record, cond, adv, grpo.GRPOConfig(**grpo.METHODS["grpo"]))
+    _, g3 = _loss_and_grads(model, record, cond, adv, grpo.GRPOSettings(**grpo.METHODS["grpo"]))
     assert any(n.startswith("diffloss.") and g.abs().sum() > 0 for n, g in g3.items())
 
 
@@ -757,8 +737,8 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
                                     0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
     uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.5)  # (B, L)
-    released = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"])
-    predicted = grpo.GRPOConfig(**dict(grpo.METHODS["mar-grpo"], mte_positions="predicted"))
+    released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
+    predicted = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], mte_positions="predicted"))
     def grad(j, cfg, unc):  # the loss's gradient at AR step j, flattened over the trained parameters
         model.zero_grad()
         loss, stats, _ = policy.rollout_loss(model, model, record, j, cond, adv, cfg, seeds, unc)
@@ -818,8 +798,8 @@ def test_policy_positions_predicted_keeps_exactly_the_tokens_written_at_the_step
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    released = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"], beta=0.0)
-    predicted = grpo.GRPOConfig(**grpo.METHODS["mar-grpo"], beta=0.0, policy_positions="predicted")
+    released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0)
+    predicted = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0, policy_positions="predicted")
     got = _loss_and_grads(model, record, cond, adv, predicted)
     assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])  # P_i ⊊ U_i: the test can tell
     real = masks.consistency_mask
@@ -973,7 +953,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
     model, records = _ddp_setup()
     record, cond, adv = records[rank]
     module = torch.nn.parallel.DistributedDataParallel(policy.PolicyLoss(model))
-    cfg = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
+    cfg = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
     policy.backward_rollout(module, True, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3, contextlib.nullcontext)
     torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, f"{out_dir}/grad{rank}.pt")
     dist.destroy_process_group()
@@ -994,7 +974,7 @@ def _ddp_setup():
 def test_ddp_gradient_equals_single_process(tmp_path):
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     model, records = _ddp_setup()
-    cfg = grpo.GRPOConfig(**grpo.METHODS["grpo-fixed-head"])
+    cfg = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
     loss_module = policy.PolicyLoss(model)
     for record, cond, adv in records:  # single process: both halves, accumulated
         policy.backward_rollout(loss_module, False, copy.deepcopy(model), record, cond, adv, cfg, None, None, [None] * 3, contextlib.nullcontext)
@@ -1016,7 +996,7 @@ def test_clip_denoised_bounds_x0_and_keeps_parity():
     assert x0_free.abs().max() > 1.0
     record, cond = make_rollout(model)
     loss, stats, _ = policy.rollout_loss(model, model, record, 1, cond, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                         grpo.GRPOConfig())
+                                         grpo.GRPOSettings())
     assert stats["logp_parity_err"] < 1e-4 and torch.isfinite(loss)
 
 
@@ -1027,7 +1007,7 @@ def test_gradient_step_moves_logp_toward_positive_advantages():
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model, cfg=2.0)
     adv = torch.tensor([1.5, -1.5, 0.5, -0.5])
-    cfg = grpo.GRPOConfig(beta=0.0, tau=None)
+    cfg = grpo.GRPOSettings(beta=0.0, tau=None)
 
     def weighted_logp():
         with torch.no_grad():

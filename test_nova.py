@@ -304,7 +304,7 @@ def test_load_nova_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.safetensors"
     save_file(sd, str(bad))
     (tmp_path / "config.json").write_text(json.dumps(config["transformer"]))
-    for path, pattern in ((bad, "does not fit"), (tmp_path / "junk.safetensors", "cannot read safetensors")):
+    for path, pattern in ((bad, "does not fit"), (tmp_path / "junk.safetensors", "cannot read weights")):
         if not path.exists():
             path.write_bytes(b"not a safetensors file")
         with pytest.raises(ValueError) as err:

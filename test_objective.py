@@ -104,7 +104,7 @@ def draw_mte(model, record, num_seeds, top_k, temperature, generator):
 def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old=None):
     """The code's loss of trained AR step j, −(P_i − β KL_i), and what a later inner epoch needs.
 
-    model / ref: policy and reference; adv: (B,); gcfg: grpo.GRPOConfig; mte_in: from `draw_mte`
+    model / ref: policy and reference; adv: (B,); gcfg: grpo.GRPOSettings; mte_in: from `draw_mte`
     (or None); old: the second return value of this step's first-epoch call (None in it).
     returns (loss scalar with gradient, old)
     """
@@ -245,7 +245,7 @@ def perturb(model, scale, generator, names=lambda n: True):
 
 
 def gcfg(kl="gaussian", tau=TAU, **kw):
-    return grpo.GRPOConfig(beta=BETA, kl=kl, mte_seeds=S, top_k=TOP_K, mte_positions="unknown", tau=tau,
+    return grpo.GRPOSettings(beta=BETA, kl=kl, mte_seeds=S, top_k=TOP_K, mte_positions="unknown", tau=tau,
                            train_cfg="rollout", **kw).validate()
 
 

@@ -5,6 +5,7 @@ the exit status, a SIGKILL or torchrun is what is being tested."""
 
 import functools
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -461,16 +462,19 @@ def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base
     assert sorted(os.listdir(out / "ckpt")) == ["latest.pt", "step_000040.pt", "step_000050.pt"]
 
 
-@pytest.mark.parametrize("preset,path,sha", [("demo", "DEMO_BASE", "DEMO_BASE_SHA256"),
-                                             ("free16", "FREE16_BASE", "FREE16_BASE_SHA256")])
-def test_shipped_bases_are_the_recorded_files_and_their_presets_models(preset, path, sha):
-    """python train.py starts from bases/demo.pt (and --preset free16, docs/study.md's, from
-    bases/free16.pt): the file is the one whose checksum train.py records, it loads through --init's
-    path (float16 weights into a float32 model), and it is the model the preset describes; --init
-    scratch and --stage pretrain pretrain instead."""
+@pytest.mark.parametrize("preset,where,path,sha", [("demo", "flags", "DEMO_BASE", "DEMO_BASE_SHA256"),
+                                                   ("free16", "study", "FREE16_BASE", "FREE16_BASE_SHA256")])
+def test_shipped_bases_are_the_recorded_files_and_their_presets_models(preset, where, path, sha):
+    """python train.py starts from bases/demo.pt (and the study's preset free16, registered by
+    experiments/study.py, from experiments/bases/free16.pt): the file is the one whose checksum is
+    recorded beside the preset, it loads through --init's path (float16 weights into a float32
+    model), and it is the model the preset describes; --init scratch and --stage pretrain pretrain
+    instead."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))
+    module = importlib.import_module(where)
     args = train.parse_args(["--preset", preset])
-    assert args.init == getattr(train, path)
-    assert checkpoints.sha256(args.init) == getattr(train, sha)
+    assert args.init == getattr(module, path)
+    assert checkpoints.sha256(args.init) == getattr(module, sha)
     model = models.load_policy(args, args.init)
     want = dict(models.small_mar_config(args), num_sampling_steps=str(args.num_sampling_steps))
     assert {k: model.config[k] for k in want} == want

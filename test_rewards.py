@@ -80,7 +80,7 @@ def open_clip_to_hf(state_dict):
 
 
 def save_weights(model, path, fmt):
-    """Save `model` in one of the formats rewards.read_state_dict accepts."""
+    """Save `model` in one of the formats checkpoints.read_state_dict accepts."""
     sd = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
     if fmt == "state_dict":                       # the HPS files: {'state_dict': ...}
         torch.save({"state_dict": sd, "epoch": 3}, path)

@@ -141,7 +141,7 @@ PARITY_WARN = 0.1
 MAX_STATS = ("logp_parity_err", "ratio_max_dev")
 
 
-def collect(args, ctx, cfg, model, codec, prompts, reward_fn, step, shard, diff_candidates):
+def collect(args, ctx, settings, model, codec, prompts, reward_fn, step, shard, diff_candidates):
     """One micro-batch of a GRPO step: the prompts of `shard` (of world × --grad-accum), G rollouts
     each recording the chosen steps, their rewards and advantages, and the MTE trajectories.
     Returns a dict (inputs, record, images, texts, scores, info, adv, seeds, uncertain, times)."""
@@ -165,29 +165,29 @@ def collect(args, ctx, cfg, model, codec, prompts, reward_fn, step, shard, diff_
     t2 = time.time()
     # multi-trajectory expectation: S head trajectories from z_final, per-token uncertainty
     seeds = uncertain = None
-    if cfg.mte_seeds >= 2:
+    if settings.mte_seeds >= 2:
         seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                        args.temperature, cfg.mte_seeds, plan.diff_steps, ctx.generator(5, step, shard=shard))
-        uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), cfg.top_k)
+                                        args.temperature, settings.mte_seeds, plan.diff_steps, ctx.generator(5, step, shard=shard))
+        uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), settings.top_k)
     return dict(inputs=inputs, record=record, images=images, texts=texts, scores=scores, info=info, adv=adv,
                 seeds=seeds, uncertain=uncertain, olds=[None] * len(record.steps),
                 t_rollout=t1 - t0, t_reward=t2 - t1, t_mte=time.time() - t2)
 
 
-def grpo_train(args, ctx, cfg, base, base_path, codec, prompts, reward_fn):
+def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
     """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL,
     and the policy shares its frozen parameters); checkpoints (the trained parameters over
     `base_path`), samples and metrics under args.out. Returns the final checkpoint path.
 
-    cfg: grpo.GRPOConfig; codec: latents <-> images; prompts: Prompts; reward_fn: a rewards.Reward.
+    settings: grpo.GRPOSettings; codec: latents <-> images; prompts: Prompts; reward_fn: a rewards.Reward.
     Each rank's share of a step's prompts runs as --grad-accum micro-batches whose gradients add up
     before the one optimizer step, drawn exactly as world × --grad-accum processes would draw them.
     A step whose reward, advantage, loss or gradient is not finite on some rank changes nothing (no
     optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
     """
     ref = base  # the frozen reference of the KL
-    guided = args.cfg != 1.0 and cfg.train_cfg == "rollout"  # the loss reads the null condition
-    model = models.policy_copy(base, models.trainable_names(args, base, cfg.train_head, guided))
+    guided = args.cfg != 1.0 and settings.train_cfg == "rollout"  # the loss reads the null condition
+    model = models.policy_copy(base, models.trainable_names(args, base, settings.train_head, guided))
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
     params = [p for p in model.parameters() if p.requires_grad]
     diff_candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]  # what a rollout may record
@@ -207,28 +207,28 @@ def grpo_train(args, ctx, cfg, base, base_path, codec, prompts, reward_fn):
         if start:
             ctx.print0(f"resumed from step {start}")
     if ctx.master:  # the stage's first write
-        checkpoints.start_run_folder(args.out, start, args.keep_last, {**vars(args), "grpo": vars(cfg), "world_size": ctx.world})
+        checkpoints.start_run_folder(args.out, start, args.keep_last, {**vars(args), "grpo": vars(settings), "world_size": ctx.world})
     ctx.barrier()
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
                f"world size {ctx.world}" + (f" × {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
-               + f"; {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters; {cfg}")
+               + f"; {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters; {settings}")
 
     A, G = args.grad_accum, args.group_size
     bad_steps, parity_warned = 0, False  # non-finite steps in a row
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start, total=args.steps):
         last_step = step == args.steps - 1
         # --- rollouts, rewards, MTE: this rank's micro-batches
-        batches = [collect(args, ctx, cfg, model, codec, prompts, reward_fn, step, ctx.rank * A + m, diff_candidates)
+        batches = [collect(args, ctx, settings, model, codec, prompts, reward_fn, step, ctx.rank * A + m, diff_candidates)
                    for m in range(A)]
 
         # --- policy update: E inner epochs, one backward per trained AR step (DDP all-reduces on the
         #     last micro-batch's last step); anything non-finite on any rank skips the optimizer step
         t2 = time.time()
         skipped = False
-        for epoch in range(cfg.inner_epochs):
+        for epoch in range(settings.inner_epochs):
             step_stats = []
             for m, b in enumerate(batches):
-                stats, b["olds"] = policy.backward_rollout(loss_module, ctx.ddp, ref, b["record"], b["inputs"], b["adv"], cfg,
+                stats, b["olds"] = policy.backward_rollout(loss_module, ctx.ddp, ref, b["record"], b["inputs"], b["adv"], settings,
                                                            b["seeds"], b["uncertain"], b["olds"], ctx.autocast,
                                                            scale=1 / A, sync=m == A - 1)
                 step_stats += stats
@@ -288,7 +288,7 @@ def grpo_train(args, ctx, cfg, base, base_path, codec, prompts, reward_fn):
                 trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
                 checkpoints.save_step(ckpt_dir, step + 1, {
                     "model": trained, "base": base_path, "config": model.config, "optimizer": opt.state_dict(),
-                    "step": step + 1, "args": vars(args), "grpo": vars(cfg), "bad_steps_total": bad_total}, args.keep_last)
+                    "step": step + 1, "args": vars(args), "grpo": vars(settings), "bad_steps_total": bad_total}, args.keep_last)
             ctx.barrier()
     if ctx.master and os.path.exists(metrics_path):
         evaluate.plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
@@ -302,7 +302,7 @@ def main(argv=None):
     evaluation summary, or None."""
     args = parse_args(argv)
     ctx = Ctx(args)
-    cfg = check_inputs(args, ctx.world)
+    settings = check_inputs(args, ctx.world)
 
     # --- load what the run needs; a bad file fails here, and nothing has been written yet
     reward_fn = rewards.build_reward(args.reward, device=ctx.device,
@@ -331,7 +331,7 @@ def main(argv=None):
         if args.stage == "pretrain":
             return None
         base, codec, prompts = load_base(args, ctx, init)
-    final = grpo_train(args, ctx, cfg, base, init, codec, prompts, reward_fn)
+    final = grpo_train(args, ctx, settings, base, init, codec, prompts, reward_fn)
 
     if args.stage == "all" and args.eval_prompts > 0:
         # --- evaluation of the base and the tuned model on the same prompts and seeds: held-out

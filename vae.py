@@ -174,19 +174,7 @@ def load_vae(path):
     use VAE_SCALE directly). Raises FileNotFoundError for a missing file and a one-line ValueError
     naming the file and the offending keys for anything that is not an LDM KL VAE.
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--vae: no such file {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # not a torch file, or pickled objects weights_only refuses
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--vae {path}: cannot read it with torch.load(weights_only=True) "
-                         f"({first_line})") from None
-    if isinstance(ckpt, dict):
-        ckpt = ckpt.get("model", ckpt.get("state_dict", ckpt))
-    if not isinstance(ckpt, dict) or not all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        raise ValueError(f"--vae {path}: not an LDM KL VAE checkpoint (no state dict of tensors "
-                         f"under 'model' or 'state_dict')")
+    ckpt = checkpoints.read_state_dict(path, "--vae", unwrap=("model", "state_dict"))
     ldm_sd = {k: v for k, v in ckpt.items() if not k.startswith("loss.")}
 
     try:

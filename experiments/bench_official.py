@@ -277,7 +277,7 @@ def compile_figures(step, out, repeats, update_steps=None):
     adv = grpo.group_advantages(torch.randn(st.B, generator=torch.Generator().manual_seed(7)).to(st.device), st.G)
 
     def update(model, ref, tag):
-        stats, _ = policy.backward_rollout(policy.PolicyLoss(model), False, ref, record, st.inputs, adv, st.cfgs["mar-grpo"],
+        stats, _ = policy.backward_rollout(policy.PolicyLoss(model), False, ref, record, st.inputs, adv, st.settings["mar-grpo"],
                                            step.seeds, step.uncertain, [None] * len(record.steps), contextlib.nullcontext)
         model.zero_grad(set_to_none=True)
         parity[tag] = max(float(s["logp_parity_err"]) for s in stats)
