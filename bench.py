@@ -340,15 +340,15 @@ def bench_mar_base(args, opts, out):
     out(f"cost model: transformer pass on the (2B, L) canvas {u.z0:.1f} s with no token known, {u.zL:.1f} s with all; head, "
         "one diffusion step: " + ", ".join(f"{t:.2f} s on {r}" for r, t in zip(u.rows, u.head)) + " token rows; update per "
         "trained AR step: " + "; ".join(f"{k} {x:.1f} s + {y * 1e3:.0f} ms per unknown token" for k, (x, y) in u.upd.items()))
-    here, full = predict(u, st, a.num_iter, a.num_sampling_steps, a.train_ar_steps), predict(u, st, *full_size)
+    measured_cfg, full = predict(u, st, a.num_iter, a.num_sampling_steps, a.train_ar_steps), predict(u, st, *full_size)
     out(f"  {'':<26}{'model, measured config':>23}{'measured':>10}{'model, the preset':>20}")
     for key, label in (("recording_overhead", "recording / plain rollout"), ("ratio", "MAR-GRPO / fixed-head")):
-        out(f"  {label:<26}{here[key]:>22.2f}×{res[key]:>9.2f}×{full[key]:>19.2f}×")
+        out(f"  {label:<26}{measured_cfg[key]:>22.2f}×{res[key]:>9.2f}×{full[key]:>19.2f}×")
     for name, key in (("fixed-head", "fixed"), ("MAR-GRPO", "full")):
         total = sum(full[key].values())
-        out(f"  model, the preset, {name} step: {total / 60:.0f} min here = " +
+        out(f"  model, the preset, {name} step: {total / 60:.0f} min on this machine = " +
             ", ".join(f"{k} {v / total:.0%}" for k, v in full[key].items()))
-    res.update(model_measured=here, model_preset=full, units=vars(u))
+    res.update(model_measured=measured_cfg, model_preset=full, units=vars(u))
     return res
 
 

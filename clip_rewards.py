@@ -13,16 +13,16 @@ FileNotFoundError naming `--reward-ckpt` and the expected file, a file that does
 one-line ValueError naming the file and the first mismatched keys, both at construction.
 
 The eval transforms (`quantize_8bit`, `resize_shortest_side_and_center_crop`, `normalize`) live
-here because they are CLIP's; imagereward.py uses the same ones (ImageReward preprocesses as CLIP).
+in this file because they are CLIP's; imagereward.py uses the same ones (ImageReward preprocesses as CLIP).
 
 Where this file departs from the official scorers (all of which read 8-bit PIL images):
 1. Preprocessing runs in torch, batched, on the images' device. Images are first rounded to 8 bits
    (what the official pipelines see after saving a PNG); the bicubic resize uses torch's
    antialiased kernel, which follows PIL's to within a few 1/255 steps (mean well under 1/255).
    For odd crop margins the centre crop rounds like torchvision's CenterCrop (OpenAI CLIP), not
-   like HF's CLIPImageProcessor (floor); square images, the case here, are not cropped at all.
+   like HF's CLIPImageProcessor (floor); square images, the case of this project, are not cropped at all.
 2. HPS: HPSv2's `ResizeMaxSize` skips both resize and padding when the longest side already equals
-   the model size, which leaves a non-square input for non-square images; here the pad always
+   the model size, which leaves a non-square input for non-square images; this file's pad always
    happens, so the input is always square. For square images (all images in this project) the two
    agree exactly.
 3. clip_score is not clamped at 0 (torchmetrics' CLIPScore returns max(100 cos, 0)); a reward for
@@ -288,7 +288,7 @@ class AestheticMLP(nn.Module):
         score = W7 (W6 (W4 (W2 (W0 e + b0) + b2) + b4) + b6) + b7,   e = f_img / |f_img|
 
     ImageReward's `MLP` is this module (same layers, same keys under `mlp.`) on its 768-d BLIP
-    feature; imagereward.py uses it from here.
+    feature; imagereward.py uses it from this file.
     """
 
     def __init__(self, embed_dim=768):

@@ -360,7 +360,7 @@ def step_list(steps):  # sampling-step indices as Python ints (one host sync if 
 
 
 @torch.no_grad()
-def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
+def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, record_steps=None, x_T=None, noise=None):
     """Ancestral sampling from step T−1 down to 0 with any head that has `p_mean_variance(x_t, k,
     z, cfg)`, `noisy(k)`, `trainable_steps()` and `num_sampling_steps`, recording chosen transitions.
 
@@ -368,11 +368,11 @@ def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, 
        the two halves share their noise); channels: C, the token size; temperature: τ scales each
        step's noise std (x^T is N(0, I): module docstring, item 2); cfg: w, a float or (N,) tensor;
     record_steps: optional sampling-step indices k in `head.trainable_steps()` (ints, or a tensor)
-       whose transitions x^k → x^{k−1} are recorded for log-probability recomputation.
+       whose transitions x^k → x^{k−1} are recorded for log-probability recomputation;
+    x_T, noise: given draws instead of the generator's, x_T (N, C) and {k: (N, C)} per noisy step.
     returns x0: (N, C), and when record_steps is given also a dict with x_t, x_prev, std = τ σ,
        logp, each (K, N, C), and steps: the K recorded step indices in sampling order (list of int).
-    Inside the loop nothing syncs with the device: steps are Python ints, w a float or a tensor.
-    """
+    Nothing in the loop syncs with the device: steps are Python ints, w a float or a tensor."""
     guided = torch.is_tensor(cfg) or cfg != 1.0  # the official rule: z is doubled iff cfg != 1
     if guided and z.shape[0] % 2:
         raise ValueError(f"with cfg != 1, z must hold [cond; null] rows; got {z.shape[0]} rows")
@@ -381,15 +381,15 @@ def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, 
     record = {} if record_steps is None else dict.fromkeys(step_list(record_steps))
     if any(k not in head.trainable_steps() for k in record):
         raise ValueError(f"record_steps must lie in {head.trainable_steps()} (see trainable_steps); got {sorted(record)}")
-    x = torch.randn(n, channels, device=z.device, dtype=z.dtype, generator=generator)
+    x = torch.randn(n, channels, device=z.device, dtype=z.dtype, generator=generator) if x_T is None else x_T
     for k in range(head.num_sampling_steps - 1, -1, -1):
         mean, log_variance, _ = head.p_mean_variance(x, k, z, cfg)
         if not head.noisy(k):  # DDPM's last step adds no noise
             x_prev = mean
         else:
             std = temperature * torch.exp(0.5 * log_variance)
-            noise = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
-            x_prev = mean + std * noise
+            eps = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator) if noise is None else noise[k]
+            x_prev = mean + std * eps
             if k in record:
                 record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
         x = x_prev

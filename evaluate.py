@@ -236,7 +236,7 @@ def reward_names(spec):
     """The --reward names; a weight is refused (the table scores every reward on its own)."""
     if ":" in (spec or ""):
         raise ValueError(f"--reward {spec}: the table scores each reward on its own; list names without weights")
-    return [name for name, _ in rewards.parse_reward_spec(spec)]  # an unknown name fails here
+    return [name for name, _ in rewards.parse_reward_spec(spec)]  # an unknown name fails now
 
 
 def check_table_inputs(args):

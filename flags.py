@@ -112,7 +112,7 @@ def build_parser():
     a("--stage", default="all", choices=["pretrain", "grpo", "all"], help="what to run")
     a("--out", default=None, help="output folder (default runs/<preset>)")
     a("--init", default=None, help="base checkpoint: ours, an official MAR .pth, harmon_*.pth, or a NOVA pipeline folder; "
-                                   "'scratch': pretrain the small shapes model here (the demo starts from DEMO_BASE)")
+                                   "'scratch': pretrain the small shapes model in this run (the demo starts from DEMO_BASE)")
     a("--resume", nargs="?", const="yes", default="no", choices=["no", "yes", "auto"],
       help="continue from the newest readable checkpoint in --out/ckpt: --resume (one must exist), --resume auto "
            "(if one exists; a torchrun relaunch does this by itself), or no (a fresh run replaces --out's checkpoints)")
@@ -205,7 +205,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.out = args.out or os.path.join("runs", preset)
     if args.init == "scratch" or (args.stage == "pretrain" and args.init == PRESETS[preset].get("init")):
-        args.init = None  # pretrain here (or reuse <out>/base.pt), not the preset's shipped base
+        args.init = None  # pretrain in this run (or reuse <out>/base.pt), not the preset's shipped base
     if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         args.resume = "auto"  # torchrun relaunched the job after a failure: continue, do not start over
     return args

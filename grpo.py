@@ -1,4 +1,4 @@
-"""The GRPO objective of MAR-GRPO on plain tensors (docs/method.md §6, §7). Nothing here knows about MAR.
+"""The GRPO objective of MAR-GRPO on plain tensors (docs/method.md §6, §7). Nothing in it knows about MAR.
 
 For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
 
@@ -11,27 +11,27 @@ For one trained AR step i, with chosen diffusion steps k, images b, positions p,
 
 What the paper says, what the released code does, and what this file does:
 1. Advantages. Released: (r − mean) / (std + 1e-4) over the G images of a prompt, with torch's
-   default (Bessel-corrected) std. Here: the same; a group whose rewards are all equal gets
+   default (Bessel-corrected) std. This file: the same; a group whose rewards are all equal gets
    exactly zero advantage (its numerator is zero), never NaN; G = 1 is rejected (no group).
-2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping. Here:
+2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping. This file:
    ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is exactly the released
    objective (value and gradient), and E > 1 is PPO with ratio clipping `--clip-eps`.
 3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between the
-   transition Gaussians). Here: the exact KL (μ_θ − μ_ref)² / (2 s²) by default ("gaussian"),
+   transition Gaussians). This file: the exact KL (μ_θ − μ_ref)² / (2 s²) by default ("gaussian"),
    with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
 4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
    its KL by its unknown elements, and each step is backpropagated on its own. Released: the
    per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
-   is their mean). Here: L = −mean_i(…) as docs/method.md §6 writes it (policy.backward_rollout divides
+   is their mean). This file: L = −mean_i(…) as docs/method.md §6 writes it (policy.backward_rollout divides
    each step by their number): the same direction, 1/#steps the size before clipping.
-5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. Here:
+5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This file:
    drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
    (never the pure-noise step; see diffloss.py).
 6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
    step (docs/method.md §5). But only P_i is written into the image at step i; on U_i outside P_i the head's
    samples are previews that are thrown away and drawn again later, so for grpo and
    grpo-fixed-head their term has zero mean whatever the reward (pure variance), and under the
-   consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. Here: the
+   consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. This file: the
    released W by default; `--policy-positions predicted` keeps W = P_i, the policy gradient of
    the trajectory that made the image (measured on the demo: docs/research_log.md).
 """

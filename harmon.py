@@ -12,12 +12,12 @@ output is refined by a Qwen2.5 LLM that reads the prompt. z for a canvas (`predi
      to x_enc_mar -> x_enc;
   5. MAR decoder -> z (B, L, D_dec), the head's condition at every position.
 Tokens: a token is the 16 VAE-latent channels of one position, layout (C, p, p) with p = 1,
-positions row-major. The latent × `vae_scale` (0.2325) happens in the codec, not here:
+positions row-major. The latent × `vae_scale` (0.2325) happens in the codec, not in this file:
 `vae.vae_encode` multiplies by `vae.VAE_SCALE` (the same number), `vae.vae_decode` divides.
 
 Where this file departs from the official code:
 1. No KV cache. The official sampler prefills the prompt into a `DynamicCache` once and, at every
-   AR step, runs the image part against it and cuts the cache back (`curtail_cache`). Here the
+   AR step, runs the image part against it and cuts the cache back (`curtail_cache`). This file's
    LLM runs [prompt; image] in one uncached pass per call: the same z (|Δ| ≤ 2e-6 against the
    official cached run, float32) from a pure function of (canvas, condition, weights) that
    autograd sees whole, which RL needs: the cache is a mutable object, built without gradients
@@ -28,7 +28,7 @@ Where this file departs from the official code:
    transformers 5.)
 2. The padded prompt positions are masked in that one pass. The official prefill runs the
    prompt unmasked, which is the same for right padding (Harmon's tokenizer pads right) and
-   wrong for left padding; here either padding gives the same z.
+   wrong for left padding; in this file either padding gives the same z.
 3. The condition is the prompt's token ids and mask; the LLM embeds them inside `predict_z`.
    `condition` pads right to at least the null prompt's length, so that cond and
    `null_condition_like(cond)` share one length and concatenate along the batch.

@@ -50,7 +50,7 @@ def unknown_after_step(step, num_iter, seq_len, num_unknown):
 
 def random_orders(bsz, seq_len, device, generator=None):
     """(B, L) generation orders, one random permutation of 0 … L−1 per row: the argsort of uniform
-    noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all take theirs here)."""
+    noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all draw theirs with it)."""
     return torch.argsort(torch.rand(bsz, seq_len, device=device, generator=generator), dim=1)
 
 

@@ -1,5 +1,5 @@
 """Token masks of MAR-GRPO: which positions get the multi-trajectory term, and which positions
-the policy term keeps (docs/method.md §4, §5). Plain tensors; nothing here knows about MAR.
+the policy term keeps (docs/method.md §4, §5). Plain tensors; nothing in it knows about MAR.
 
     u_p    = mean_c std_s x0^(s)_{p,c}                      per-token uncertainty over S seeds
     M_unc  = top-k% of positions by u_p, per image
@@ -9,15 +9,15 @@ the policy term keeps (docs/method.md §4, §5). Plain tensors; nothing here kno
 
 What the paper says, what the released code does, and what this file does:
 1. Uncertainty. Paper: the spread of the S trajectories' predictions. Released: population std
-   (unbiased=False) across seeds of each token's final sample, averaged over channels. Here: the
+   (unbiased=False) across seeds of each token's final sample, averaged over channels. This file: the
    same (`token_uncertainty`).
 2. Top-k%. Released: k = max(1, int(L · k%)) positions per image by `topk`, whose order among
-   ties is unspecified. Here: the same k, with ties broken by position (a stable sort), so the
+   ties is unspecified. This file: the same k, with ties broken by position (a stable sort), so the
    mask is a deterministic function of u.
 3. Consistency. Paper: drop tokens whose intermediate prediction does not move toward the final
    image (Δsim ≤ τ). Released: compares the head's last denoised latents of AR steps i and i−1
    with the final latents, keeps hard-mask ∨ written-this-step inside the unknown set, and applies
-   it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). Here: the same
+   it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). This file: the same
    rule from i ≥ 1, the first step at which a previous preview exists (docs/method.md §5); at i = 0, W = U.
 4. Only the policy term is masked by W; the KL term keeps all of U_i (grpo.py).
 """

@@ -13,15 +13,15 @@ masks.py on u_p = mean_c std_s x0^(s).
 What the paper says, what the released code does, and what this file does:
 1. Paper: estimate the optimisation direction by an expectation over S trajectories, only for
    the most uncertain tokens. Released: S = 3 (NOVA) or 5 (Harmon) re-runs from z_final, one
-   Python loop over seeds that reseeds the global RNG. Here: one batched head call over
+   Python loop over seeds that reseeds the global RNG. This file: one batched head call over
    S × B × L rows with a passed generator (`sample_trajectories`).
 2. Released: the seed trajectories were drawn under z_final but their log-probabilities are
-   evaluated under z_i of the trained AR step. Here: the same, as the default (it is what was
+   evaluated under z_i of the trained AR step. This file: the same, as the default (it is what was
    published; docs/method.md §4): `seed_logprobs`; `--mte-positions predicted` restricts it to P_i (policy.py).
-3. Released: every seed's log-probability uses the rollout trajectory's s. Here: each seed uses
+3. Released: every seed's log-probability uses the rollout trajectory's s. This file: each seed uses
    its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's scale
    per element can differ, and only where σ depends on x^t.
-4. Released: the seeds are guided with the w of the last AR step for every token. Here: each
+4. Released: the seeds are guided with the w of the last AR step for every token. This file: each
    token is guided with the w it was generated with (`cfg_final`).
 5. A property, not a choice: on P_i (z_i = z_final) each seed's ∇ℓ is the score of the very
    distribution the seed was drawn from, so its mean over seeds is zero whatever the advantage.

@@ -18,13 +18,13 @@ Where this file departs from the official code and the released MAR-GRPO NOVA tr
 1. Stateless, token-level API: `predict_z(tokens, mask, cond)` takes (p, p, C) tokens and a mask
    (1 = unknown), not a canvas plus the stateful `mask_embed`; the patch conv acts as a linear map.
 2. Known tokens enter the first half of the image encoder in position order, not generation
-   order; attention is permutation-equivariant here (absolute sin-cos, no RoPE), so z is the same
+   order; attention is permutation-equivariant in this model (absolute sin-cos, no RoPE), so z is the same
    up to rounding. Every row must know the same number of tokens, as in the official loop.
 3. The released trainer recomputes z with the video encoder run on two frames [bos frame;
    canvas frame] (`single_forward_without_head`) where the sampler used the bos frame alone;
-   here z is recomputed exactly as it was sampled (the same `condition`).
+   this file recomputes z exactly as it was sampled (the same `condition`).
 4. The released trainer recomputes the head's mean unguided (conditional z only) although it
-   sampled with CFG 5, so its log-probabilities are not those of the sampled transitions; here
+   sampled with CFG 5, so its log-probabilities are not those of the sampled transitions; in this file
    [cond; null] rows and the rollout's w are used and the two agree (test_nova.py).
 5. Only NOVA's text-to-image configuration is built (one frame, absolute position embeddings,
    no motion embedding, no video mixer); anything else is refused with a clear error.

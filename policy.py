@@ -19,7 +19,7 @@ What this file decides, and why:
    k%, not with L (mte.seed_logprobs), then combined densely (mte.mte_policy_term).
    `--mte-positions predicted` restricts them further to the tokens written at this step, P_i,
    the only positions whose z_final is this step's z_i; on U_i outside P_i the seeds come from
-   the z of a later step, which the released code (and the default here) evaluates under z_i
+   the z of a later step, which the released code (and the default of this code) evaluates under z_i
    anyway (mte.py, item 2; docs/research_log.md measured it pulling the reward down).
 """
 
@@ -63,7 +63,7 @@ def rollout_loss(model, ref_model, rollout, j, inputs, adv, settings, seeds=None
     weight is `w`, the step's own); seeds: MTE trajectories from `mte.sample_trajectories` (or
     None); uncertain: (B, L) bool M_unc (or None);
     old: this step's ℓ_old from the first inner epoch (None in the first epoch).
-    returns (loss, stats: dict of 0-dim tensors, detached (no host sync here), old for later epochs)
+    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later epochs)
     """
     step = rollout.steps[j]
     guided = rollout.z_final_null is not None and settings.train_cfg == "rollout"

@@ -268,7 +268,7 @@ class ShapesReward(Reward):
     name = "shapes"
 
     def __init__(self, device="cpu"):
-        import shapes  # imported here so the other rewards work without the shapes world
+        import shapes  # imported when used, so the other rewards work without the shapes world
         import verifier
         self.shapes, self.verifier = shapes, verifier
 
@@ -341,7 +341,7 @@ REWARDS = {
                     {"arch", "dtype", "batch_size"}),
 }
 
-# The model-based reward classes are also reachable from here (`rewards.HPSv2Reward`), imported on
+# The model-based reward classes are also reachable from this module (`rewards.HPSv2Reward`), imported on
 # first access (PEP 562) for the same reason as `_built_from`.
 _ELSEWHERE = {"ClipScoreReward": "clip_rewards", "HPSv2Reward": "clip_rewards", "PickScoreReward": "clip_rewards",
               "AestheticReward": "clip_rewards", "ImageRewardReward": "imagereward"}

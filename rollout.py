@@ -15,7 +15,7 @@ nova.py implement it, and nothing outside a model's own file knows which one it 
     model.seq_len, model.token_embed_dim, model.patchify, model.unpatchify
 
 `inputs` are the raw condition inputs of a batch (MAR: prompt_ids or labels; Harmon: input_ids and
-attention_mask; NOVA: prompt_embeds). The condition is embedded by the model itself, here and again
+attention_mask; NOVA: prompt_embeds). The condition is embedded by the model itself, in the rollout and again
 when the loss recomputes z, so that gradients reach whatever part of the model embeds it.
 
 What a rollout records (docs/method.md §3), for each chosen AR step i only, so memory scales with the chosen
@@ -24,11 +24,11 @@ P_i), and the previews x̂0 of steps i and i−1; after the last step the final 
 position, the z (and null z, and guidance w) it was generated from.
 
 Where this departs from the released trainers:
-1. The released trainers run the head on all L positions at kept steps; here it runs on U_i, which
+1. The released trainers run the head on all L positions at kept steps; this file runs it on U_i, which
    gives the same distribution for the positions that matter for less work.
 2. The released Harmon trainer stores U_{i+1} as step i's unknown set, and the released NOVA trainer
    recomputes z with a canvas frame the sampler never saw; so their recomputed z is not the
-   rollout's. Here the record holds exactly what the sampler fed the model, and recorded and
+   rollout's. This record holds exactly what the sampler fed the model, and recorded and
    recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
 3. `transition_mean` recomputes the recorded transitions' means one diffusion step at a time,
    with an int step as the sampler calls the head: the same arithmetic, so recorded and

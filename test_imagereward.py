@@ -1,5 +1,5 @@
 """Tests of imagereward.py: CPU, a tiny random ImageReward saved in the released ImageReward.pt key
-layout and loaded through the reward's real path, a tokenizer built from a vocab.txt written here;
+layout and loaded through the reward's real path, a tokenizer built from a vocab.txt the test writes;
 no downloads.
 
 `reference_scores` recomputes the score from the released key names with torch.nn.functional only,

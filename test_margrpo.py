@@ -243,7 +243,7 @@ def test_diffloss_training_loss_decreases():
 # mar.py
 
 def test_fixtures_are_the_recorded_files():
-    """The fixtures are data made by the official code: never edited (their sha256 pinned here)."""
+    """The fixtures are data made by the official code: never edited (their sha256 pinned in this test)."""
     import checkpoints
     assert sorted(p.name for p in FIXTURES.iterdir()) == sorted(FIXTURE_SHA256)
     for name, digest in FIXTURE_SHA256.items():

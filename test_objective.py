@@ -12,7 +12,7 @@ loss the code computes for every trained AR step is compared with
     P_i   = Σ W π / Σ W,    KL_i = Σ_U KL-term / Σ_U 1       over diffusion steps, images, positions, channels
     L     = −mean_i (P_i − β KL_i)
 
-computed here densely over all L positions with plain tensor ops. From the code under test the
+computed in this file densely over all L positions with plain tensor ops. From the code under test the
 hand computation uses only what is not the objective: the model's `condition` / `predict_z` and
 its head's `p_mean_variance` (for μ), and the recorded trajectories. The tiny case is built so
 that every term is non-zero (`test_the_tiny_case_exercises_every_term` says so in assertions):

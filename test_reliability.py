@@ -383,7 +383,7 @@ def test_torchrun_relaunch_resumes_after_a_rank_dies(tmp_path, smoke_base):
     relaunch (TORCHELASTIC_RESTART_COUNT=1) resumes from step 2 on its own and finishes.
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torchrun's relaunch may read the dead
     attempt's addresses from the store it shares with the workers and fail to connect or hang
-    (pytorch/pytorch#135712; 2 of 8 tries here); the README tells users the same."""
+    (pytorch/pytorch#135712; 2 of 8 tries on 2 CPU cores); the README tells users the same."""
     out = tmp_path / "run"
     script = tmp_path / "train_killed_at_step_2.py"
     script.write_text(PATCHED_TRAIN.format(patch=KILL_AT_STEP_2))
@@ -455,7 +455,7 @@ def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base
                                            "--sample-every", "1000"))
     assert code == 0, err
     assert len(rss) == 50
-    # growth over steps 10-49 as a least-squares slope (single samples jitter by a few MiB): here
+    # growth over steps 10-49 as a least-squares slope (single samples jitter by a few MiB): measured
     # about 0 MiB/step; keeping each step's rollout record alive measures 1.4 MiB/step
     slope = float(np.polyfit(np.arange(10, 50), rss[10:], 1)[0])
     assert slope < 0.5 and rss[49] - rss[10] < 50, (slope, rss)

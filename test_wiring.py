@@ -225,7 +225,7 @@ def hand_step(pol, ref, named, opt, captured, seeds, r):
 # -----------------------------------------------------------------------------
 
 def test_grpo_steps_are_wired_as_the_objective_says(smoke_base, tmp_path, monkeypatch):
-    """Two GRPO steps of train.py equal the steps recomputed here from their captured inputs:
+    """Two GRPO steps of train.py equal the steps this test recomputes from their captured inputs:
     advantages within prompt groups, the per-step losses averaged, the KL to the frozen base, the
     global gradient norm clipped, one AdamW step each; checkpoints and metrics.jsonl say so."""
     init, out = lively_base(smoke_base, tmp_path / "base.pt"), tmp_path / "run"
@@ -279,9 +279,9 @@ def test_grpo_steps_are_wired_as_the_objective_says(smoke_base, tmp_path, monkey
         assert moved > 100 * PARAM_TOL, f"{what}: some parameter tensor hardly moved ({moved:.3g})"
         diff = {n: (ck["model"][n].float() - p.detach()).abs().max().item() for n, p in named}
         worst = sorted(diff, key=diff.get, reverse=True)[:4]
-        print(f"{what}: |Δθ| ≥ {moved:.3g} per tensor, train.py − here ≤ {diff[worst[0]]:.3g} ({worst[0]}); "
+        print(f"{what}: |Δθ| ≥ {moved:.3g} per tensor, train.py − test ≤ {diff[worst[0]]:.3g} ({worst[0]}); "
               f"‖∇L‖ {mine['grad_norm']:.4g} (clip × {mine['coef']:.3g}); loss {mine['loss']:.6g} "
-              f"(β KL {BETA * mine['kl']:.3g}); parity {mine['parity']:.3g}; metrics − here: "
+              f"(β KL {BETA * mine['kl']:.3g}); parity {mine['parity']:.3g}; metrics − test: "
               + ", ".join(f"{k} {row[k] - (mine['adv'].abs().mean().item() if k == 'adv_abs_mean' else mine[k]):.2g}"
                           for k in ("adv_abs_mean", "grad_norm", "loss", "policy_term", "kl")))
         assert diff[worst[0]] <= PARAM_TOL, (f"{what}: train.py's parameters differ from the recomputed ones: "

@@ -56,7 +56,7 @@ from rewards import score
 
 def load_base(args, ctx, init):
     """The base policy from `init` (on ctx.device, frozen), its codec and the prompts; a missing,
-    corrupt or mismatched checkpoint, VAE or prompt file fails here, before anything is written."""
+    corrupt or mismatched checkpoint, VAE or prompt file fails in this call, before anything is written."""
     base = models.load_policy(args, init).to(ctx.device).requires_grad_(False)
     return base, models.load_codec(args, base, ctx.device), models.load_prompts(args, base)
 
@@ -243,7 +243,7 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
         bad_steps = bad_steps + 1 if skipped else 0
         bad_total += skipped
 
-        # --- logging: scalars (tensors until here) are reduced over ranks, one sync each for the
+        # --- logging: scalars (tensors until now) are reduced over ranks, one sync each for the
         #     means and the maxima
         scores, adv = torch.cat([b["scores"] for b in batches]), torch.cat([b["adv"] for b in batches])
         images, texts = torch.cat([b["images"] for b in batches]), [t for b in batches for t in b["texts"]]
@@ -304,7 +304,7 @@ def main(argv=None):
     ctx = Ctx(args)
     settings = check_inputs(args, ctx.world)
 
-    # --- load what the run needs; a bad file fails here, and nothing has been written yet
+    # --- load what the run needs; a bad file fails now, and nothing has been written yet
     reward_fn = rewards.build_reward(args.reward, device=ctx.device,
                                      weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)) \
         if args.stage != "pretrain" or args.eval_only else None

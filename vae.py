@@ -8,7 +8,7 @@ with the same interface as `mar.PixelCodec`). It is a file of its own, not a sec
 because the LDM <-> diffusers key mapping is a concept of its own that MAR readers can skip.
 
 Why our own key converter: diffusers' LDM converter assumes the Stable-Diffusion VAE layout and
-does not convert the attention inside the encoder's down levels, which the KL-16 VAE has. Here the
+does not convert the attention inside the encoder's down levels, which the KL-16 VAE has. This file's
 architecture is read off the tensor shapes instead, and the weights are loaded with `strict=True`,
 so a wrong layout fails loudly rather than leaving layers at their random initialisation.
 """
@@ -52,7 +52,7 @@ _LDM_TO_DIFFUSERS_STEPS = (
     ("attentions.{j}.proj_out.", "attentions.{j}.to_out.0."),
 )
 
-# diffusers weights of attention projections: Linear (C, C) here, 1×1 Conv2d (C, C, 1, 1) in LDM
+# diffusers weights of attention projections: Linear (C, C) in diffusers, 1×1 Conv2d (C, C, 1, 1) in LDM
 _ATTN_PROJ_WEIGHT = re.compile(r"\.attentions\.\d+\.(to_q|to_k|to_v|to_out\.0)\.weight$")
 
 

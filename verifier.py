@@ -136,7 +136,7 @@ def verify_batch(images, metas):
     images: torch tensor or numpy array (B, 3, H, W), float in [0, 1] (uint8 also accepted);
     metas: B metadata dicts. Returns (scores (B,) float32, details: list of B dicts as `verify`).
     """
-    if hasattr(images, "detach"):  # torch tensor, without importing torch here
+    if hasattr(images, "detach"):  # torch tensor, without importing torch in this file
         images = images.detach().float().cpu().numpy()
     images = _as_float(images)
     if images.ndim != 4 or images.shape[1] != 3 or len(metas) != images.shape[0]:

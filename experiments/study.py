@@ -46,6 +46,7 @@ import rollout  # noqa: E402
 import shapes  # noqa: E402
 import train  # noqa: E402
 import verifier  # noqa: E402
+from diffloss import reverse_sample  # noqa: E402
 from prompts import Prompts  # noqa: E402
 
 # The previous demo's base, the base of docs/study.md (preset free16): free object sizes and
@@ -210,16 +211,6 @@ def _token_colours(tokens, patch_size):
     return torch.as_tensor(verifier.nearest_colour(pixels.numpy()))
 
 
-def _replay_head(head, z, cfg, temperature, x_T, noise):
-    """The head's ancestral sampler (diffloss.DiffLoss.sample) with given noise: x_T (N, C) and
-    noise[k] (N, C) for each noisy step k = T−1 … 1; z (2N, D) = [cond; null] and cfg (N,), or z (N, D)."""
-    x = x_T
-    for k in range(head.num_sampling_steps - 1, -1, -1):
-        mean, log_variance, _ = head.p_mean_variance(x, k, z, cfg)
-        x = mean if k == 0 else mean + temperature * torch.exp(0.5 * log_variance) * noise[k]
-    return x
-
-
 @torch.no_grad()
 def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, n_prompts=16, group=12, seed=0):
     """Where does a rollout's randomness decide the image? A rollout has two sources: the random
@@ -264,12 +255,12 @@ def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, 
     g = torch.Generator().manual_seed(seed + 2)
     draw = lambda: torch.randn(B * L, C, generator=g)  # noqa: E731
     x_T, noise = draw(), {k: draw() for k in range(1, head.num_sampling_steps)}
-    ref = _token_colours(_replay_head(head, z, w, temperature, x_T, noise), p)  # (BL, p²)
+    ref = _token_colours(reverse_sample(head, z, C, temperature, w, x_T=x_T, noise=noise), p)  # (BL, p²)
     res["flip_at_step"] = {}
     for k in sorted(noise, reverse=True):
-        changed = _token_colours(_replay_head(head, z, w, temperature, x_T, {**noise, k: draw()}), p)
+        changed = _token_colours(reverse_sample(head, z, C, temperature, w, x_T=x_T, noise={**noise, k: draw()}), p)
         res["flip_at_step"][k] = (changed != ref).any(1).float().mean().item()
-    flips = (_token_colours(_replay_head(head, z, w, temperature, draw(), {k: draw() for k in noise}), p)
+    flips = (_token_colours(reverse_sample(head, z, C, temperature, w, x_T=draw(), noise={k: draw() for k in noise}), p)
              != ref).any(1).float().reshape(B, L)  # (B, L)
     res["flip_all"] = flips.mean().item()
     counts = model.ar_schedule(num_iter, L)
