@@ -10,9 +10,7 @@ with / without a plan, each step's parts, plain rollout images/s, record bytes),
 shapes verifier's images/s), flops (the update's transformer FLOP/s / a large matmul's), scaling
 (step time and record + MTE memory as S, G and tokens grow), mar_base (the official mar_base with
 random weights, measured at fewer AR and diffusion steps than train.py's mar_base preset and
-extrapolated to it by a cost model fitted to the same run), head_memory
-(the activations a trained AR step saves in the diffusion head, with and without recomputing each
-diffusion step's head call in the backward pass, at the preset's head size).
+extrapolated to it by a cost model fitted to the same run), head_memory (memory.py).
 
 A step is timed stage by stage with train.py's calls (rollout.record_rollout, mte.sample_trajectories,
 masks, policy.backward_rollout with policy.PolicyLoss): a plain rollout, the recorded rollout, decoding
@@ -23,9 +21,10 @@ stages interleaved so that load from other work hits them alike.
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
+import os
+import re
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+import checkpoints
+import flags
 import grpo
 import mar
 import masks
@@ -41,11 +42,10 @@ import memory
 import models
 import mte
 import policy
+import processes
 import rewards
 import rollout
-import processes
 import shapes
-import flags
 import verifier
 from prompts import Prompts
 
@@ -69,20 +69,6 @@ def interleaved(fns, device, repeats, warmup=1):
             fn()
             times[k].append(clock(device) - t)
     return {k: statistics.median(v[warmup:]) for k, v in times.items()}, {k: v[0] for k, v in times.items()}
-
-
-def nbytes(obj, seen=None):
-    """Bytes held by the tensors of a (nested) record, each storage once (steps share canvases)."""
-    seen = set() if seen is None else seen
-    if torch.is_tensor(obj):
-        storage = obj.untyped_storage()
-        new = storage.data_ptr() not in seen
-        seen.add(storage.data_ptr())
-        return storage.nbytes() if new else 0
-    if dataclasses.is_dataclass(obj):
-        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    obj = list(obj.values()) if isinstance(obj, dict) else obj
-    return sum(nbytes(v, seen) for v in obj) if isinstance(obj, (list, tuple)) else 0
 
 
 # -----------------------------------------------------------------------------
@@ -153,10 +139,10 @@ class StepBench:
         st, settings, marks = self.st, self.st.settings[method], []
         forward = self.loss.forward
         self.loss.forward = lambda *a, **k: (marks.append(clock(st.device)), forward(*a, **k))[1]
-        mte_on = settings.mte_seeds >= 2
+        seeds, uncertain = (self.seeds, self.uncertain) if settings.mte_seeds >= 2 else (None, None)
         try:
-            policy.backward_rollout(self.loss, False, st.ref, self.record, st.inputs, adv, settings, self.seeds if mte_on else None,
-                                    self.uncertain if mte_on else None, [None] * len(self.record.steps), contextlib.nullcontext)
+            policy.backward_rollout(self.loss, False, st.ref, self.record, st.inputs, adv, settings, seeds, uncertain,
+                                    [None] * len(self.record.steps), contextlib.nullcontext)
         finally:
             del self.loss.forward
         marks.append(clock(st.device))
@@ -171,10 +157,9 @@ class StepBench:
         for r in range(warmup + repeats):
             marks = [clock(st.device)]
 
-            def done(stage):  # the stage that has just ended
+            def done(stage):  # the stage that has just ended (timed after the warm-up)
                 marks.append(clock(st.device))
-                if r >= warmup:
-                    self.times.setdefault(stage, []).append(marks[-1] - marks[-2])
+                self.times.setdefault(stage, []).extend([marks[-1] - marks[-2]] if r >= warmup else [])
             outs = {}
             for stage in ("rollout", "recorded")[::1 if r % 2 == 0 else -1]:  # their order alternates: drift cancels
                 outs[stage] = run_rollout(st, r, record=stage == "recorded")
@@ -210,7 +195,7 @@ def step_figures(bench, out, label):
     """Print and return the two ratios, each method's breakdown, the plain rollout's rate and the record's size."""
     st, settings, fixed, full = bench.st, bench.st.settings["mar-grpo"], bench.parts("grpo-fixed-head"), bench.parts("mar-grpo")
     ratio, rec = sum(full.values()) / sum(fixed.values()), 1 + bench.median("recording") / bench.median("rollout")
-    a, L, plan, per_image = st.args, st.model.seq_len, bench.record.steps, nbytes(bench.record) / st.B
+    a, L, plan, per_image = st.args, st.model.seq_len, bench.record.steps, memory.nbytes(bench.record) / st.B
     out(f"{label}: {st.B} images, {L} tokens, {a.num_iter} AR × {a.num_sampling_steps} diffusion steps, guidance {a.cfg}, "
         f"{len(plan)} AR × {len(plan[0].diff_steps)} diffusion steps trained")
     out(f"MAR-GRPO step / fixed-head GRPO step (S = {settings.mte_seeds}, k = {settings.top_k:.0%}): {ratio:.2f}×")
@@ -255,7 +240,7 @@ def bench_flops(args, opts, out):
 
     with FlopCounterMode(display=False) as fc:
         fwd_bwd()
-    n = 2048
+    n = 2048  # the matmul whose speed is the machine's reference
     a, b = torch.randn(n, n, device=st.device), torch.randn(n, n, device=st.device)
     t, _ = interleaved({"update": fwd_bwd, "matmul": lambda: a @ b}, st.device, max(3, opts.repeats))
     gflops, mm = fc.get_total_flops() / t["update"] / 1e9, 2 * n ** 3 / t["matmul"] / 1e9
@@ -268,7 +253,7 @@ def bench_scaling(args, opts, out):
     for name, kw in [("baseline", {}), ("S = 5", dict(seeds=5)), ("S = 8", dict(seeds=8)),
                      ("G × 2", dict(G=2 * args.group_size)), ("tokens × 4", dict(img_size=2 * args.img_size))]:
         bench = StepBench(demo_setting(args, opts.device, **kw), methods=("mar-grpo",)).run(1)
-        t, mib = sum(bench.parts("mar-grpo").values()), (nbytes(bench.record) + nbytes(bench.seeds)) / 2 ** 20
+        t, mib = sum(bench.parts("mar-grpo").values()), (memory.nbytes(bench.record) + memory.nbytes(bench.seeds)) / 2 ** 20
         base = base or t
         rows.append(dict(name=name, seconds=t, relative=t / base, mib=mib))
         out(f"  {name:<12} step {t / base:5.2f}×   record + MTE trajectories {mib:7.1f} MiB")
@@ -360,20 +345,27 @@ DEFAULT = ["step", "reward", "flops", "scaling"]
 def main(argv=None):
     """`python bench.py ...`; unknown flags go to train.py's parser (the preset's sizes). Returns {section: figures}."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--sections", default=None, help=f"comma-separated, of {', '.join(SECTIONS)} (default: {','.join(DEFAULT)}, "
       "or only what --mar-base asks for)")
     a("--preset", default="demo", help="train.py preset whose sizes are benchmarked")
-    a("--repeats", type=int, default=3, help="timed repeats per figure")
-    a("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    a("--device", default="cpu", type=torch.device, help="cpu or cuda")
+    a("--repeats", type=flags.POS_INT, default=3, help="timed repeats per figure")
+    a("--threads", type=flags.NONNEG_INT, default=0, help="torch CPU threads (0: default)")
+    a("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda")
     a("--mar-base", action="store_true", help="the mar_base section")
     a("--base-steps", default="8,12,2", help="mar_base: AR, diffusion and trained AR steps measured (preset: 64,100,12)")
-    a("--base-repeats", type=int, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
-    a("--head-rows", type=int, default=64, help="head_memory: unknown tokens measured (then scaled to the preset)")
+    a("--base-repeats", type=flags.POS_INT, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
+    a("--head-rows", type=flags.POS_INT, default=64, help="head_memory: unknown tokens measured (then scaled to the preset)")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
+    checks = [(opts.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
+              (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", opts.base_steps), f"--base-steps {opts.base_steps}: N,T,M > 0")]
+    for bad, message in checks:
+        if bad:
+            raise ValueError(message)
+    checkpoints.check_writable(os.path.dirname(os.path.abspath(opts.json or ".")), "--json")
+    opts.device = torch.device(opts.device)
     torch.set_num_threads(opts.threads or torch.get_num_threads())
     sections = opts.sections.split(",") if opts.sections else ([] if opts.mar_base else list(DEFAULT))
     sections += ["mar_base"] if opts.mar_base and "mar_base" not in sections else []
@@ -393,4 +385,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(processes.cli(main))

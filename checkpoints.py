@@ -16,13 +16,14 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import warnings
 import zipfile
 
 import torch
 
 
-def read_checkpoint(path, flag="--init"):
+def read_checkpoint(path, flag="--init", mmap=False):
     """torch.load(weights_only=True) on the CPU, with `argparse.Namespace` allowed (official MAR
     files pickle their args); a missing, truncated or foreign file raises a one-line error naming
     `flag` and path."""
@@ -30,7 +31,7 @@ def read_checkpoint(path, flag="--init"):
         raise FileNotFoundError(f"{flag}: no such file: {path}")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # corrupt, truncated, or not a torch file
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ValueError(f"{flag} {path}: cannot read checkpoint ({type(e).__name__}: {reason})") from None
@@ -117,17 +118,89 @@ def check_state_dict(model, sd, path, flag="--init", ignore=()):
         raise ValueError(f"{flag} {path}: checkpoint does not fit the model: {problems}")
 
 
+@contextlib.contextmanager
+def writing(path):
+    """Writes to `path` inside this block that fail (disk full, a folder removed, torch's zip writer)
+    raise one OSError naming the file: `cannot write PATH: reason` (processes.cli prints it)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise OSError(f"cannot write {path}: {reason}") from None
+
+
 def atomic_save(obj, path):
     """torch.save to a temporary file in the same folder, then rename: never a half-written file.
-    A write killed by SIGKILL leaves only the temporary file, which `prune_checkpoints` removes."""
+    A write killed by SIGKILL leaves only the temporary file, which `prune_checkpoints` removes; a
+    failed write (disk full) removes it and raises one OSError naming `path`."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        with writing(path):
+            torch.save(obj, tmp)
+            os.replace(tmp, path)
     except BaseException:  # an error or Ctrl-C mid-write: leave no temporary file behind
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+class RunLock:
+    """One writer per run folder: `acquire` creates `<out>/.lock` holding this process's id and host,
+    or refuses in one line when a live process holds it (a lock left by a killed process, whose id no
+    longer runs on this host, is taken over). `release` removes it if it is ours."""
+
+    def __init__(self, out):
+        self.path = os.path.join(out, ".lock")
+        self.mine = f"{os.getpid()} {socket.gethostname()}"
+        self.held = self.made_folder = False
+
+    def holder(self):
+        """(pid, host) of the lock's holder if it is alive (or on another host), else None."""
+        try:
+            pid, host = open(self.path).read().split()
+            pid = int(pid)
+        except (OSError, ValueError):  # gone meanwhile, or half-written by a killed process
+            return None
+        if host != socket.gethostname():
+            return pid, host  # cannot tell: assume it runs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+        return pid, host
+
+    def acquire(self, flag="--out"):
+        self.made_folder = not os.path.isdir(os.path.dirname(self.path))
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                held = self.holder()
+                if held is not None:
+                    raise ValueError(f"{flag} {os.path.dirname(self.path)}: another run (process {held[0]} on {held[1]}) "
+                                     "is writing this folder; wait for it, stop it, or choose another --out") from None
+                with contextlib.suppress(FileNotFoundError):  # a killed run's lock
+                    os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(self.mine + "\n")
+            self.held = True
+            return self
+        raise ValueError(f"{flag} {os.path.dirname(self.path)}: cannot take {self.path} (another run keeps taking it)")
+
+    def release(self):
+        """Remove the lock if it is ours, and the folder too if acquire made it and nothing was written."""
+        if self.held:
+            with contextlib.suppress(OSError):
+                if open(self.path).read().strip() == self.mine:
+                    os.remove(self.path)
+            if self.made_folder:
+                with contextlib.suppress(OSError):  # not empty: the run wrote
+                    os.rmdir(os.path.dirname(self.path))
+            self.held = False
 
 
 def atomic_link(src, dst):
@@ -166,13 +239,14 @@ def save_step(ckpt_dir, step, state, keep_last):
     return path
 
 
-def newest_training_state(ckpt_dir, warn):
+def newest_training_state(ckpt_dir, warn, mmap=False):
     """(path, state) of the newest readable step_*.pt in ckpt_dir, or None. Unreadable files
-    (atomic writes leave none, but disks and copies fail) are skipped with `warn(message)`."""
+    (atomic writes leave none, but disks and copies fail) are skipped with `warn(message)`.
+    mmap: map the tensors instead of reading them (to check readability cheaply)."""
     for name in reversed(checkpoint_names(ckpt_dir)):
         path = os.path.join(ckpt_dir, name)
         try:
-            state = read_checkpoint(path, "--resume")
+            state = read_checkpoint(path, "--resume", mmap)
             if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
                 raise ValueError(f"--resume {path}: not a checkpoint of this script (no model, optimizer, step)")
         except ValueError as e:
@@ -234,7 +308,7 @@ def start_run_folder(out, start, keep_last, config):
             f.writelines(keep)
         os.replace(metrics_path + ".tmp", metrics_path)
     prune_checkpoints(ckpt_dir, keep_last)  # also the temporary file of a killed write
-    with open(os.path.join(out, "config.json"), "w") as f:
+    with writing(os.path.join(out, "config.json")), open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
 

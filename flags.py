@@ -12,13 +12,13 @@ import argparse
 import importlib.util
 import math
 import os
-import re
 from dataclasses import fields
 
 import checkpoints
 import grpo
 import models
 import rewards
+from processes import Parser
 from prompts import read_prompt_file
 
 # -----------------------------------------------------------------------------
@@ -73,14 +73,6 @@ PRESETS = {
                           prompts_per_step=2, group_size=2, train_ar_steps=2, train_diff_steps=2, mte_seeds=2,
                           reward="jpeg_incompressibility", eval_prompts=2, sample_every=1, save_every=1, lr=1e-4),
 }
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is a one-line ValueError (reported by `cli`), not the usage block."""
-
-    def error(self, message):
-        # "argument --lr: 'nan' must be ..." -> "--lr nan: must be ..."
-        raise ValueError(re.sub(r"^argument (--[\w-]+): '([^']*)' ", r"\1 \2: ", message))
 
 
 def number(kind, low=-math.inf, high=math.inf, low_open=False, high_open=False):
@@ -203,6 +195,8 @@ def parse_args(argv=None):
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out '': give a folder (or leave --out out: runs/<preset>)")
     args.out = args.out or os.path.join("runs", preset)
     if args.init == "scratch" or (args.stage == "pretrain" and args.init == PRESETS[preset].get("init")):
         args.init = None  # pretrain in this run (or reuse <out>/base.pt), not the preset's shipped base
@@ -241,6 +235,10 @@ def check_inputs(args, world):
         raise ValueError(f"--pretrain-batch {args.pretrain_batch} must divide by the world size {world}")
     if will_pretrain(args) and args.model != "small":
         raise ValueError(f"--model {args.model}: pretraining builds the small shapes model; give --init for {args.model}")
+    if will_pretrain(args) and args.img_size % args.patch_size:  # the small model's sizes must fit each other
+        raise ValueError(f"--img-size {args.img_size}: must be a multiple of --patch-size {args.patch_size}")
+    if will_pretrain(args) and args.embed_dim % args.heads:
+        raise ValueError(f"--embed-dim {args.embed_dim}: must divide by --heads {args.heads} (the attention heads' width)")
     if args.pretrain_from is not None and not will_pretrain(args):
         why = f"it starts from --init {args.init}" if args.init else f"it reuses {os.path.join(args.out, 'base.pt')}"
         raise ValueError(f"--pretrain-from: this run does not pretrain ({why}); use --stage pretrain or --init scratch")
@@ -252,8 +250,14 @@ def check_inputs(args, world):
     check_model_inputs(args, [name for name, _ in rewards.parse_reward_spec(args.reward)] if rewarded else None)
     if args.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb: the wandb package is not installed (pip install wandb, or drop --wandb)")
-    if args.resume == "yes" and not checkpoints.checkpoint_names(os.path.join(args.out, "ckpt")):
-        raise FileNotFoundError(f"--resume: no checkpoint in {os.path.join(args.out, 'ckpt')} (--resume auto starts fresh if none)")
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    if args.resume == "yes" and not checkpoints.checkpoint_names(ckpt_dir):
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} (--resume auto starts fresh if none)")
+    if args.resume == "yes" and checkpoints.newest_training_state(ckpt_dir, lambda message: None, mmap=True) is None:
+        raise ValueError(f"--resume: no checkpoint in {ckpt_dir} can be read (--resume auto starts fresh if none)")
+    if args.resume == "yes" and will_pretrain(args):  # the checkpoints name <out>/base.pt, which is gone
+        raise FileNotFoundError(f"--resume: {os.path.join(args.out, 'base.pt')}, the base of the checkpoints in {ckpt_dir}, "
+                                "is missing (give --init)")
     return settings
 
 

@@ -1,7 +1,9 @@
-"""Memory of a GRPO step, measured: the activations autograd saves, and the diffusion head's share
-of a trained AR step (`python bench.py --sections head_memory --preset harmon`), with and without
-recomputing each diffusion step's head call in the backward pass (rollout.transition_mean)."""
+"""Memory of a GRPO step, measured: what a rollout record holds, the activations autograd saves,
+and the diffusion head's share of a trained AR step (`python bench.py --sections head_memory
+--preset harmon`), with and without recomputing each diffusion step's head call in the backward
+pass (rollout.transition_mean)."""
 
+import dataclasses
 import time
 
 import torch
@@ -11,6 +13,20 @@ import mar
 import models
 import rollout
 from diffloss import DiffLoss
+
+
+def nbytes(obj, seen=None):
+    """Bytes held by the tensors of a (nested) record, each storage once (steps share canvases)."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(obj):
+        storage = obj.untyped_storage()
+        new = storage.data_ptr() not in seen
+        seen.add(storage.data_ptr())
+        return storage.nbytes() if new else 0
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    obj = list(obj.values()) if isinstance(obj, dict) else obj
+    return sum(nbytes(v, seen) for v in obj) if isinstance(obj, (list, tuple)) else 0
 
 
 def saved_activation_bytes(fn, params=()):

@@ -5,10 +5,14 @@ The single-process path is the distributed path: `Ctx` reads RANK from the envir
 does; rank 0 alone prints and writes; scalars are all-reduced before they are logged.
 """
 
+import argparse
 import contextlib
 import datetime
 import os
+import re
+import signal
 import sys
+import threading
 import traceback
 
 import numpy as np
@@ -99,6 +103,52 @@ def all_finite(ctx, *values):
     return bool(ok)  # syncs with the GPU
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a one-line ValueError (reported by `cli`), not the usage block."""
+
+    def error(self, message):
+        # "argument --lr: 'nan' must be ..." -> "--lr nan: must be ..."
+        raise ValueError(re.sub(r"^argument (--[\w-]+): '([^']*)' ", r"\1 \2: ", message))
+
+
+class Interrupted(RuntimeError):
+    """The run was asked to stop (SIGINT, SIGTERM) and did at a step boundary; `cli` prints the
+    message as one line and exits with 128 + the signal's number, as a shell reports a signal."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """SIGINT and SIGTERM ask a training loop to stop at its next step boundary (`requested`); a
+    second signal stops at once (KeyboardInterrupt). A context manager; only the main thread can
+    install handlers, elsewhere it does nothing."""
+
+    def __init__(self, print0):
+        self.signum, self.print0, self.old = None, print0, {}
+
+    def handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.print0(f"{signal.Signals(signum).name}: stopping after this step (send it again to stop at once)",
+                    file=sys.stderr)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+    @property
+    def requested(self):
+        return float(self.signum or 0)  # 0, or the signal's number (reduced over ranks with Ctx.max)
+
+
 class Stop(RuntimeError):
     """The run stops on purpose (repeated non-finite steps, a failing reward): `cli` prints the
     reason as one line, after the traceback of the code that caused it, and exits with status 1."""
@@ -107,8 +157,9 @@ class Stop(RuntimeError):
 def cli(entry, argv=None):
     """Run `entry(argv)` (train.main, evaluate.main) with failures said in one line on stderr
     (`error: ...`, or `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no
-    traceback, exit status 2. A deliberate stop (Stop): exit status 1. Anything else is a bug and
-    keeps Python's traceback. Returns the exit status."""
+    traceback, exit status 2. A deliberate stop (Stop) or a failed write (OSError): exit status 1.
+    SIGINT / SIGTERM: 128 + the signal's number. Anything else is a bug and keeps Python's
+    traceback. Returns the exit status."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
     try:
         entry(argv)
@@ -116,6 +167,16 @@ def cli(entry, argv=None):
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"error{where}: interrupted at once (a second signal, or one before training started): "
+              "checkpoints written so far are intact", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except OSError as e:  # a write failed: disk full, a folder gone (checkpoints.writing names the file)
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 1
     except Stop as e:
         if e.__cause__ is not None:  # e.g. the reward's own traceback: where it failed
             traceback.print_exception(e.__cause__)

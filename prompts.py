@@ -8,11 +8,13 @@ the run starts, so a typo fails before any work.
 """
 
 import os
+import sys
 
 import numpy as np
 import torch
 
 import shapes
+from processes import Parser, cli
 
 
 def read_prompt_file(path, kind, num_classes=0):
@@ -114,10 +116,9 @@ def main(argv=None):
     """`python prompts.py embed-nova --init NOVA_DIR --text-encoder PHI2_DIR --prompts FILE --out FILE`:
     embed a prompt file once with NOVA's text encoder (Phi-2, from a local folder) into the
     `--prompt-embeds` file train.py reads for --model nova: {"prompts": [str], "embeds": (N, T, D)}."""
-    import argparse
     import nova
-    from checkpoints import atomic_save
-    p = argparse.ArgumentParser(description=main.__doc__)
+    from checkpoints import atomic_save, check_writable
+    p = Parser(description=main.__doc__)
     p.add_argument("command", choices=["embed-nova"])
     p.add_argument("--init", required=True, help="NOVA pipeline folder (transformer/, scheduler/)")
     p.add_argument("--text-encoder", required=True, help="local Phi-2 folder (the pipeline's text_encoder/)")
@@ -125,6 +126,7 @@ def main(argv=None):
     p.add_argument("--prompts", required=True, help="prompt file, one per line")
     p.add_argument("--out", required=True, help="output .pt file")
     args = p.parse_args(argv)
+    check_writable(os.path.dirname(os.path.abspath(args.out)), "--out")
     prompts = read_prompt_file(args.prompts, "text")
     model = nova.load_nova(args.init)
     embeds = nova.embed_prompts(prompts, args.text_encoder, model, args.tokenizer)  # (N, T, D)
@@ -133,4 +135,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main))

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,8 @@ def parse_reward_spec(spec):
             w = float(weight) if weight.strip() else 1.0
         except ValueError:
             raise ValueError(f"bad weight '{weight}' for reward '{name}' ({REWARD_FLAG} name:weight)") from None
+        if not math.isfinite(w):  # every reward would be non-finite: no update could happen
+            raise ValueError(f"{REWARD_FLAG} {name}:{weight}: the weight must be a finite number")
         if name in [n for n, _ in items]:
             raise ValueError(f"reward '{name}' appears twice in {REWARD_FLAG} '{spec}'")
         items.append((name, w))
@@ -177,6 +180,10 @@ def parse_reward_ckpt(values, spec):
                 weights[needed[0]] = item
             elif item:
                 raise ValueError(f"{CKPT_FLAG} '{item}': write key=PATH with key in {', '.join(WEIGHT_FILES)}")
+    unused = [key for key in weights if key not in needed]
+    if unused:  # a file given for a reward that is not in use would be silently ignored
+        raise ValueError(f"{CKPT_FLAG} {unused[0]}={weights[unused[0]]}: {REWARD_FLAG} '{spec}' uses no {unused[0]} weights"
+                         + (f" (it takes {', '.join(needed)})" if needed else ""))
     return weights
 
 

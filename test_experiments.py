@@ -102,7 +102,7 @@ def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path
     capsys.readouterr()
     again = study.main(argv)["hack"]  # a second run: everything is done already
     assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--study"):
         study.main(["--study", "nope"])
 
 

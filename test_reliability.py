@@ -110,6 +110,13 @@ BAD_INPUT = {
     "--pretrain-from of another size": ("--stage pretrain --pretrain-from {b} --embed-dim 48", ["--pretrain-from", "wrong shape"]),
     "--pretrain-from missing": ("--stage pretrain --pretrain-from {t}/nope.pt", ["--pretrain-from", "nope.pt"]),
     "--pretrain-from without pretraining": ("--init {b} --pretrain-from {b}", ["--pretrain-from", "does not pretrain"]),
+    # values a run multiplies by, sizes that must fit each other, inputs that would be ignored
+    "NaN reward weight": ("--reward shapes:nan", ["--reward", "shapes:nan", "finite"]),
+    "infinite reward weight": (G + " --reward shapes:inf", ["--reward", "shapes:inf", "finite"]),
+    "image size not a multiple of the patch": ("--img-size 30 --patch-size 4", ["--img-size 30", "--patch-size 4"]),
+    "width the heads do not divide": ("--embed-dim 33 --heads 2", ["--embed-dim 33", "--heads 2"]),
+    "weights for a reward not in use": (G + " --reward-ckpt hpsv2={b}", ["--reward-ckpt", "hpsv2", "uses no hpsv2"]),
+    "--resume with unreadable checkpoints, before pretraining": ("--resume --out {t}/junk_run", ["--resume", "can be read"]),
 }
 
 
@@ -124,6 +131,8 @@ def make_bad_files(tmp, base):
     (tmp / "elephant.txt").write_text("a red circle\na purple elephant\n")
     (tmp / "a_file").write_text("")
     (tmp / "vae.ckpt").write_bytes(b"")
+    (tmp / "junk_run" / "ckpt").mkdir(parents=True)  # a run folder whose only checkpoint is unreadable
+    (tmp / "junk_run" / "ckpt" / "step_000003.pt").write_bytes(b"\x00junk")
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -142,6 +151,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, smoke_b
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not out.exists() and snapshot(tmp_path) == before  # nothing created, nothing changed
+
+
+def test_empty_out_is_one_line(capsys):
+    code, _, err = cli(capsys, "--preset", "smoke", "--out", "")
+    assert code == 2 and err.strip().splitlines() == ["error: --out '': give a folder (or leave --out out: runs/<preset>)"]
 
 
 def test_batch_that_does_not_divide_by_the_world_size():

@@ -27,6 +27,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -64,15 +65,22 @@ def load_base(args, ctx, init):
 # -----------------------------------------------------------------------------
 # Stage 1: pretrain a small MAR on the shapes world (the demo's base model)
 
-def pretrain(args, ctx):
-    """MAE-style diffusion-loss training with EMA; writes <out>/base.pt (the EMA weights). A step
-    with a non-finite loss or gradient changes nothing (no optimizer step, no EMA update);
-    --max-bad-steps of them in a row stop the run before base.pt is written."""
-    local_batch = args.pretrain_batch // ctx.world  # divisibility: check_inputs
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+def pretraining_start(args):
+    """The small MAR pretraining starts from: random (seeded: the same on every rank), or the
+    weights of --pretrain-from (strict shapes; a fresh optimizer follows). Built before any write."""
+    torch.manual_seed(args.seed)
     model = mar.build_mar(models.small_mar_config(args))
-    if args.pretrain_from is not None:  # continue a base: its (EMA) weights, strict shapes, a fresh optimizer
-        model = models.load_checkpoint(args.pretrain_from, model=model, flag="--pretrain-from").train()
+    if args.pretrain_from is not None:  # continue a base: its (EMA) weights
+        model = models.load_checkpoint(args.pretrain_from, model=model, flag="--pretrain-from")
+    return model.train()
+
+
+def pretrain(args, ctx, stops, model):
+    """MAE-style diffusion-loss training of `model` (pretraining_start) with EMA; writes
+    <out>/base.pt (the EMA weights). A step with a non-finite loss or gradient changes nothing (no
+    optimizer step, no EMA update); --max-bad-steps of them in a row stop the run before base.pt
+    is written."""
+    local_batch = args.pretrain_batch // ctx.world  # divisibility: check_inputs
     model = model.to(ctx.device)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     model.class_emb.requires_grad_(False)  # prompt-conditioned: the class table is unused
@@ -85,6 +93,10 @@ def pretrain(args, ctx):
                + (f", from {args.pretrain_from}" if args.pretrain_from else ""))
     bad_steps = bad_total = 0
     for step in tqdm(range(args.pretrain_steps), disable=not ctx.master, desc="pretrain"):
+        signum = int(ctx.max({"stop": stops.requested})["stop"])  # SIGINT / SIGTERM: every rank stops here
+        if signum:
+            raise processes.Interrupted(f"interrupted ({signal.Signals(signum).name}) at pretraining step {step}: "
+                                        "base.pt is not written (pretraining does not resume)", signum)
         # --- data: fresh renders of train-split prompts, a different slice on every rank
         rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
         imgs, metas = shapes.make_dataset(local_batch, args.img_size, rng, split="train", cell=args.cell,
@@ -174,7 +186,7 @@ def collect(args, ctx, settings, model, codec, prompts, reward_fn, step, shard, 
                 t_rollout=t1 - t0, t_reward=t2 - t1, t_mte=time.time() - t2)
 
 
-def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
+def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, stops):
     """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL,
     and the policy shares its frozen parameters); checkpoints (the trained parameters over
     `base_path`), samples and metrics under args.out. Returns the final checkpoint path.
@@ -257,9 +269,11 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
                         for key in step_stats[0] if key not in MAX_STATS},
                      **{f"reward/{name}": sum(r[name] for r in reward_means) / A for name in reward_means[0]})
         worst = {key: torch.stack([s[key] for s in step_stats]).float().max() for key in MAX_STATS if key in step_stats[0]}
-        row = {"step": step, **ctx.mean(local), **ctx.max(worst), "skipped": int(skipped), "bad_steps_total": bad_total}
+        worst = ctx.max({**worst, "stop": stops.requested})  # every rank stops at the same step
+        signum = int(worst.pop("stop"))
+        row = {"step": step, **ctx.mean(local), **worst, "skipped": int(skipped), "bad_steps_total": bad_total}
         if ctx.master:
-            with open(metrics_path, "a") as f:
+            with checkpoints.writing(metrics_path), open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if args.wandb:
                 import wandb
@@ -280,9 +294,10 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
 
         # --- once in a while: a sample grid, a checkpoint (the trained parameters, over base_path)
         if ctx.master and (step % args.sample_every == 0 or last_step):
-            evaluate.save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(texts, scores.tolist())][:16],
-                               os.path.join(args.out, "samples", f"step_{step:06d}.png"))
-        if (step + 1) % args.save_every == 0 or last_step:
+            grid = os.path.join(args.out, "samples", f"step_{step:06d}.png")
+            with checkpoints.writing(grid):
+                evaluate.save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(texts, scores.tolist())][:16], grid)
+        if (step + 1) % args.save_every == 0 or last_step or signum:
             ctx.barrier()
             if ctx.master:
                 trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
@@ -290,6 +305,9 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn):
                     "model": trained, "base": base_path, "config": model.config, "optimizer": opt.state_dict(),
                     "step": step + 1, "args": vars(args), "grpo": vars(settings), "bad_steps_total": bad_total}, args.keep_last)
             ctx.barrier()
+        if signum:  # SIGINT / SIGTERM: the step is saved, every rank stops here
+            raise processes.Interrupted(f"interrupted ({signal.Signals(signum).name}) after step {step}; "
+                                        f"`--resume` continues from step {step + 1}", signum)
     if ctx.master and os.path.exists(metrics_path):
         evaluate.plot_curves(metrics_path, os.path.join(args.out, "curves.png"))
     return os.path.join(ckpt_dir, "latest.pt")
@@ -319,6 +337,32 @@ def main(argv=None):
         import wandb
         wandb.init(project="mar-grpo", config=vars(args))
 
+    start = pretraining_start(args) if base is None and not args.eval_only else None
+    lock = take_run_folder(args, ctx)  # the first write: from now on this run alone writes --out
+    try:  # SIGINT / SIGTERM now ask the training loops to stop at a step boundary
+        with processes.StopRequests(ctx.print0) as stops:
+            return run_stages(args, ctx, settings, reward_fn, init, base, codec, prompts, stops, start)
+    finally:
+        lock.release()
+
+
+def take_run_folder(args, ctx):
+    """Rank 0 locks --out for this run (checkpoints.RunLock); every rank learns whether it could,
+    so a refused run stops on every rank. Returns the lock."""
+    lock, refused = checkpoints.RunLock(args.out), None
+    if ctx.master:
+        try:
+            lock.acquire()
+        except ValueError as e:
+            refused = e
+    if ctx.max({"refused": float(refused is not None)})["refused"]:
+        raise refused or ValueError(f"--out {args.out}: rank 0 could not take the run folder")
+    return lock
+
+
+def run_stages(args, ctx, settings, reward_fn, init, base, codec, prompts, stops, start=None):
+    """Evaluation only, or pretraining (unless a base is given), GRPO and the evaluation of base and
+    tuned model. Returns the evaluation summary, or None."""
     if args.eval_only:
         summary = evaluate.evaluate(args, ctx, base, codec, prompts.eval_items(args.eval_prompts, args.seed),
                                     prompts, reward_fn, args.out, "eval")
@@ -327,11 +371,11 @@ def main(argv=None):
         return summary
 
     if base is None:  # --stage pretrain, or --stage all without a cached base
-        init = pretrain(args, ctx)
+        init = pretrain(args, ctx, stops, start)
         if args.stage == "pretrain":
             return None
         base, codec, prompts = load_base(args, ctx, init)
-    final = grpo_train(args, ctx, settings, base, init, codec, prompts, reward_fn)
+    final = grpo_train(args, ctx, settings, base, init, codec, prompts, reward_fn, stops)
 
     if args.stage == "all" and args.eval_prompts > 0:
         # --- evaluation of the base and the tuned model on the same prompts and seeds: held-out
@@ -350,9 +394,12 @@ def main(argv=None):
                 report[tag + suffix] = evaluate.evaluate(args, ctx, model, codec, items, prompts, reward_fn,
                                                          os.path.join(args.out, "eval", tag + suffix), tag + suffix)
         if ctx.master:
-            with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
-                json.dump(report, f, indent=1)
+            with checkpoints.writing(os.path.join(args.out, "eval", "summary.json")):
+                with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
+                    json.dump(report, f, indent=1)
             evaluate.print_report(args.out, report)
+            if args.preset == "smoke":
+                print("(the smoke preset trains a toy model for seconds: its numbers test the pipeline, not the method)")
         return report
     return None
 

@@ -41,6 +41,7 @@ import evaluate  # noqa: E402
 import flags  # noqa: E402
 import mar  # noqa: E402
 import models  # noqa: E402
+import processes  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import shapes  # noqa: E402
@@ -273,9 +274,9 @@ def noise_probe(model, codec, reward_fn, num_iter=16, cfg=6.0, temperature=0.5, 
 def _load_pixel_base(path, args, flag):
     """The base a probe looks into: train.py's small model (pixel tokens, prompt-conditioned), or exit
     naming the flag."""
-    model = models.load_policy(args, path)
+    model = models.load_policy(args, path, flag)
     if model.config["vae_stride"] != 1 or model.config.get("text_vocab_size", 0) == 0:
-        raise SystemExit(f"{flag} {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
+        raise ValueError(f"{flag} {path}: needs a prompt-conditioned pixel-token base (train.py's small model)")
     return model
 
 
@@ -357,7 +358,10 @@ def study(opts, extra):
     py = [sys.executable, os.path.abspath(__file__), "--train"]  # train.py, with this file's presets
     base = flags.PRESETS[opts.preset].get("init") or os.path.join(root, "base.pt")
     if not os.path.exists(base):  # a preset without a shipped base: pretrain one into the study's folder
-        subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, check=True)
+        res = subprocess.run(py + ["--stage", "pretrain", "--out", root] + extra, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        if res.returncode:
+            raise processes.Stop(f"study: pretraining its base failed: {_reason(res.stderr)}")
 
     def evals(ckpt, out, k):  # held-out prompts (stratified), then the study's prompts × 24 images
         cmds = []
@@ -390,20 +394,32 @@ def study(opts, extra):
                     cmds += evals(os.path.join(out, "ckpt", f"step_{k:06d}.pt"), out, k)
                 if cmds:
                     jobs.append((name, arm, seed, shell(cmds)))
-    running = []
+    running, failed = [], []  # (process, its log, what it runs)
     while jobs or running:
         while jobs and len(running) < 2:
             name, arm, seed, cmd = jobs.pop(0)
             print(f"study {name}: {arm} seed {seed}", flush=True)
-            log = open(os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt"), "w")
-            running.append(subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, OMP_NUM_THREADS="1")))
+            path = os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt")
+            with open(path, "w") as log:
+                running.append((subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                                                 env=dict(os.environ, OMP_NUM_THREADS="1")), path, f"{name}: {arm} seed {seed}"))
         time.sleep(2)
-        for p in [p for p in running if p.poll() is not None]:
-            if p.returncode:
-                print(f"study: a run failed ({p.args[:160]}...)", flush=True)
-            running.remove(p)
+        for job in [job for job in running if job[0].poll() is not None]:
+            if job[0].returncode:
+                failed.append(job)
+                print(f"study: {job[2]} failed: {_reason(open(job[1]).read())}", flush=True)
+            running.remove(job)
+    if failed:
+        raise processes.Stop(f"study: {len(failed)} run(s) failed, the first ({failed[0][2]}): "
+                             f"{_reason(open(failed[0][1]).read())} (log: {failed[0][1]})")
     return {name: study_report(opts, name) for name in opts.study}
+
+
+def _reason(output):
+    """The one-line reason a train.py run gave (its last `error...` line), or its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error")]
+    return (errors or lines or ["no output"])[-1]
 
 
 def _ends(values, n=10):
@@ -550,7 +566,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--train"]:
         return train.cli(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", default=None, type=_tables, metavar="TABLE[,TABLE]",
                    help=f"run tables of the study in one queue: {', '.join(TABLES)} (see study())")
     p.add_argument("--context-probe", default=None, metavar="BASE",
@@ -579,6 +595,6 @@ def main(argv=None):
     return run_context_probe(opts.context_probe, args, lambda s: print(s, flush=True))
 
 
-if __name__ == "__main__":
-    result = main()
-    sys.exit(result if isinstance(result, int) else 0)
+if __name__ == "__main__":  # `--train` returns train.py's exit status; the rest fail in one line (processes.cli)
+    argv = sys.argv[1:]
+    sys.exit(main(argv) if argv[:1] == ["--train"] else processes.cli(main, argv))
