@@ -207,6 +207,8 @@ def table_parser():
 def parse_table_args(argv=None):
     """This file's flags, then train.py's for the rest; checks the inputs (`check_table_inputs`)."""
     own, rest = table_parser().parse_known_args(argv)
+    if not own.out.strip():
+        raise ValueError("--out '': give the table's folder")
     args = flags.parse_args(rest)
     args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
     args.ckpts = parse_ckpts(own.ckpt)

@@ -85,9 +85,9 @@ def tiny_hps(monkeypatch):
 
 
 def table_flags(files, out, *ckpts, batch=3, reward="shapes,jpeg_incompressibility,hpsv2"):
+    weights = ["--reward-ckpt", f"hpsv2={files / 'HPS_tiny.pt'}"] if "hpsv2" in reward else []  # only what is used
     return [str(f) for f in [*ckpts, "--prompts", files / "prompts.txt", "--images-per-prompt", 2, "--seed", 5,
-                             "--batch-size", batch, "--reward", reward, "--reward-ckpt", f"hpsv2={files / 'HPS_tiny.pt'}",
-                             "--out", out, *SAMPLING]]
+                             "--batch-size", batch, "--reward", reward, *weights, "--out", out, *SAMPLING]]
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +243,7 @@ def bad_inputs(files, tmp):
     foreign = files / "HPS_tiny.pt"
     return {
         "no_ckpt": (good(ckpt=[]), ["--ckpt", "NAME=PATH"]),
+        "empty_out": (good(out=("--out", "")), ["--out ''"]),
         "name_twice": (good(ckpt=base + base), ["--ckpt base", "twice"]),
         "no_name": (good(ckpt=["--ckpt", files / "base.pt"]), ["--ckpt", "NAME=PATH"]),
         "missing_ckpt": (good(ckpt=["--ckpt", f"x={tmp / 'nope.pt'}"]), [f"--ckpt x={tmp / 'nope.pt'}", "no such"]),

@@ -15,12 +15,14 @@ writes. Every random draw of a step comes from a generator seeded by (seed, stag
 run's device, a shard being a rank's micro-batch (the rank itself without --grad-accum), so a resumed
 run continues exactly and 1 process with --grad-accum A draws what A processes draw.
 
-When things go wrong: flags are checked when parsed (ranges, finiteness), cross-flag rules and
-files in `check_inputs`, then models, rewards and prompts are loaded, all before anything is
-written; a bad one is one line `error: ...`, exit status 2. A non-finite reward, advantage, loss or
-gradient skips that update; `--max-bad-steps` in a row stop the run (exit status 1). Checkpoints
-are written atomically (checkpoints.py); a torchrun relaunch after a failure resumes by itself
-(with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: pytorch/pytorch#135712).
+When things go wrong (docs/faults.md): flags are checked when parsed (ranges, finiteness),
+cross-flag rules and files in `flags.check_inputs`, then models, rewards and prompts are loaded,
+all before anything is written; a bad one is one line `error: ...`, exit status 2. Then the run
+locks --out (one writer per folder). A non-finite reward, advantage, loss or gradient skips that
+update; `--max-bad-steps` in a row stop the run (exit status 1). SIGINT / SIGTERM stop after the
+step with its checkpoint (exit 130 / 143); a failed write is one line naming the file (exit 1).
+Checkpoints are written atomically (checkpoints.py); a torchrun relaunch after a failure resumes
+by itself (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: pytorch/pytorch#135712).
 """
 
 import copy
