@@ -157,7 +157,8 @@ class RunLock:
     def holder(self):
         """(pid, host) of the lock's holder if it is alive (or on another host), else None."""
         try:
-            pid, host = open(self.path).read().split()
+            with open(self.path) as f:
+                pid, host = f.read().split()
             pid = int(pid)
         except (OSError, ValueError):  # gone meanwhile, or half-written by a killed process
             return None
@@ -194,8 +195,8 @@ class RunLock:
     def release(self):
         """Remove the lock if it is ours, and the folder too if acquire made it and nothing was written."""
         if self.held:
-            with contextlib.suppress(OSError):
-                if open(self.path).read().strip() == self.mine:
+            with contextlib.suppress(OSError), open(self.path) as f:
+                if f.read().strip() == self.mine:
                     os.remove(self.path)
             if self.made_folder:
                 with contextlib.suppress(OSError):  # not empty: the run wrote

@@ -191,7 +191,7 @@ SEED_STAGE = 10  # the table's generators: seeded(device, seed, SEED_STAGE, batc
 
 
 def table_parser():
-    p = flags.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
+    p = processes.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
                      "for every checkpoint with the same seeds, each scored by each --reward on its own.",
                      epilog="Every other flag is train.py's (python train.py --help): --model, --preset, --prompts, "
                             "--seed, --reward (names, comma-separated), --reward-ckpt, the sampling flags.")

@@ -58,13 +58,13 @@ PRESETS = {
                      reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
     # the released Harmon-1.5B run (AMAP-ML/mar-grpo: scripts/debug_entry_harmon.py, trainer
     # grpo_trainer_harmon_v1_2.py): 512 px (the config's 32×32 grid), CFG 3 constant, S = 5; only the
-    # MAR trains (models.set_trainable); T = 25, as the run's name ("25diff") says
+    # MAR trains (models.trainable_names); T = 25, as the run's name ("25diff") says
     "harmon": dict(model="harmon", model_config="harmon_1.5b", num_iter=64, num_sampling_steps=25, cfg=3.0,
                    cfg_schedule="constant", temperature=1.0, steps=1200, prompts_per_step=8, group_size=4, lr=1e-6,
                    train_ar_steps=12, train_diff_steps=10, mte_seeds=5, reward="hpsv2", save_every=50,
                    sample_every=50, eval_prompts=0),
     # the released NOVA run (scripts/debug_entry_nova.py, grpo_trainer_nova_v1_2.py): d48w1024-sd512,
-    # CFG 5 constant, 25 diffusion steps, S = 3; all but the diffusion MLP trains (models.set_trainable)
+    # CFG 5 constant, 25 diffusion steps, S = 3; all but the diffusion MLP trains (models.trainable_names)
     "nova": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
                  steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
                  mte_seeds=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),

@@ -250,11 +250,3 @@ def policy_copy(base, trainable):
     for name, p in model.named_parameters():
         p.requires_grad_(name in trainable)
     return model
-
-
-def set_trainable(args, model, train_head, guided=True):
-    """requires_grad on `model` itself as `trainable_names` says; returns the trained parameters."""
-    names = set(trainable_names(args, model, train_head, guided))
-    for name, p in model.named_parameters():
-        p.requires_grad_(name in names)
-    return [p for name, p in model.named_parameters() if name in names]

@@ -15,7 +15,7 @@ import torch
 
 import checkpoints
 import train
-from test_reliability import ENV, REPO, cli, grpo_flags, load, metrics, snapshot
+from test_reliability import ENV, REPO, cli, grpo_flags, load, metrics
 
 TRAIN = str(REPO / "train.py")
 

@@ -16,7 +16,6 @@ and that exactly the parameters the released trainers train have moved. Then the
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
