@@ -1,4 +1,4 @@
-"""Reliability of train.py (issue 7): bad input, non-finite steps, crashes, restarts, failing
+"""Reliability of train.py: bad input, non-finite steps, crashes, restarts, failing
 rewards and long runs. CPU-only, smoke size. Most runs call `train.cli` in this process (the
 script's own entry point, minus the ~6 s of imports a subprocess pays); a subprocess is used where
 the exit status, a SIGKILL or torchrun is what is being tested."""
