@@ -220,7 +220,7 @@ def check_inputs(args, world):
     """Cross-flag rules and files, before any work: a bad one raises a one-line ValueError /
     FileNotFoundError / PermissionError naming it. Reads, never writes. (Single flags were checked
     when parsed; file contents are checked next, by loading them, still before the first write.)
-    world: the number of processes. Returns the GRPO config."""
+    world: the number of processes. Returns the GRPO settings (grpo.GRPOSettings)."""
     settings = grpo_settings(args)
     if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
         raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
