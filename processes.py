@@ -1,5 +1,7 @@
 """Processes, devices and seeded randomness of a run: one place that knows about ranks (DDP under
-torchrun, NCCL on CUDA, gloo on CPU), the device, autocast, and how every random draw is seeded.
+torchrun, NCCL on CUDA, gloo on CPU), the device, autocast, how every random draw is seeded, and
+how a run ends (`cli`: one line per failure; `Parser`: bad flags as one line; `StopRequests`:
+SIGINT / SIGTERM stop at a step boundary).
 
 The single-process path is the distributed path: `Ctx` reads RANK from the environment as nanoGPT
 does; rank 0 alone prints and writes; scalars are all-reduced before they are logged.
