@@ -80,10 +80,9 @@ def setting(args, model, items, prompts, device, codec=None, reward=None, seeds=
         for p in [p for k, p in model.diffloss.named_parameters() if "adaLN_modulation" in k or "final_layer.linear" in k]:
             p.normal_(0, 0.02)
     ref = model.to(device).eval().requires_grad_(False)
-    # as train.py makes it; both methods compared keep the head fixed
-    model = models.policy_copy(ref, models.trainable_names(args, ref, False, args.cfg != 1.0))
     settings = {m: flags.grpo_settings(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
     settings["mar-grpo"].mte_seeds = seeds or settings["mar-grpo"].mte_seeds
+    model = models.make_policy(args, ref, settings["mar-grpo"])  # as train.py makes it; both methods keep the head fixed
     return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, settings=settings,
                            B=len(items), G=args.group_size, inputs=prompts.condition(items, device), codec=codec, reward=reward)
 

@@ -49,11 +49,11 @@ def small_mar_config(args):
                 local_conv=args.local_conv)
 
 
-def _ours(path):
+def _ours(path, flag="--init"):
     """The {"model", "config"} dict of a checkpoint train.py wrote, or None for another file."""
     if not path.endswith(".pt") or not os.path.isfile(path):
         return None
-    ckpt = checkpoints.read_checkpoint(path)
+    ckpt = checkpoints.read_checkpoint(path, flag)
     return ckpt if isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict) else None
 
 
@@ -89,16 +89,16 @@ def mar_config_from_state_dict(sd, args=None):
     )
 
 
-def load_checkpoint(path, ema=True, model=None, flag="--init", **overrides):
+def load_checkpoint(path, ema=True, model=None, flag="--init", ckpt=None, **overrides):
     """Load an official MAR `.pth` ({'model', 'model_ema', 'args'}) or one of ours ({'model',
     'config', ...}) into a MAR, in eval mode.
 
     ema: take 'model_ema' when the file has it (official default), else 'model'.
     model: load into this model (strict); otherwise build one from the file's config (ours) or
            from the state dict's shapes and pickled args (official); `overrides` replace config
-           entries (e.g. num_sampling_steps="100").
+           entries (e.g. num_sampling_steps="100"); ckpt: the file's contents when already read.
     """
-    ckpt = checkpoints.read_checkpoint(path, flag)
+    ckpt = checkpoints.read_checkpoint(path, flag) if ckpt is None else ckpt
     if not isinstance(ckpt, dict) or not ("model" in ckpt or "model_ema" in ckpt):
         raise ValueError(f"{flag} {path}: not a MAR checkpoint (expected a dict with 'model' or 'model_ema')")
     sd = ckpt["model_ema"] if ema and "model_ema" in ckpt else ckpt.get("model", ckpt.get("model_ema"))
@@ -117,7 +117,7 @@ def load_policy(args, path, flag="--init"):
     GRPO checkpoint of ours (its trained parameters over the base it names), with the run's number
     of diffusion steps."""
     T = args.num_sampling_steps
-    ours = _ours(path)
+    ours = _ours(path, flag)
     if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters only
         base = ours["base"]
         if not os.path.exists(base):
@@ -126,7 +126,7 @@ def load_policy(args, path, flag="--init"):
         load_trained(model, ours["model"], path, flag)
         return model
     if args.model == "small":
-        return load_checkpoint(path, flag=flag, num_sampling_steps=str(T))
+        return load_checkpoint(path, flag=flag, ckpt=ours, num_sampling_steps=str(T))  # ours: read once
     if args.model.startswith("mar_"):
         model = getattr(mar, args.model)(**mar.OFFICIAL_HEADS[args.model], img_size=args.img_size, num_sampling_steps=str(T))
         return load_checkpoint(path, model=model, flag=flag)
@@ -239,6 +239,14 @@ def trainable_names(args, model, train_head, guided):
     tensors = lambda m: list(m.parameters()) if isinstance(m, nn.Module) else [m]
     keep = {id(p) for m in trained for p in tensors(m)} - {id(p) for m in frozen for p in tensors(m)}
     return [name for name, p in model.named_parameters() if id(p) in keep]
+
+
+def make_policy(args, base, settings):
+    """The policy GRPO trains from `base` (grpo.GRPOSettings `settings`): `policy_copy` of the
+    parameters `trainable_names` picks, the null condition counted as read when the loss is guided
+    (guidance in the rollout and --train-cfg rollout)."""
+    guided = args.cfg != 1.0 and settings.train_cfg == "rollout"
+    return policy_copy(base, trainable_names(args, base, settings.train_head, guided))
 
 
 def policy_copy(base, trainable):

@@ -204,3 +204,10 @@ def test_smoke_summary_says_its_numbers_mean_nothing(tmp_path, smoke_base, capsy
     assert code == 0, err
     assert "the smoke preset trains a toy model for seconds: its numbers test the pipeline, not the method" in out
     assert json.loads((tmp_path / "run" / "eval" / "summary.json").read_text())
+
+
+def test_a_probe_names_its_own_flag_for_an_unreadable_base(tmp_path):
+    bad = tmp_path / "cut.pt"
+    bad.write_bytes(b"\0 not a checkpoint")
+    code, lines = run_script("experiments/study.py", "--context-probe", bad)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --context-probe {bad}: cannot read"), lines

@@ -200,8 +200,7 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
     optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
     """
     ref = base  # the frozen reference of the KL
-    guided = args.cfg != 1.0 and settings.train_cfg == "rollout"  # the loss reads the null condition
-    model = models.policy_copy(base, models.trainable_names(args, base, settings.train_head, guided))
+    model = models.make_policy(args, base, settings)
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
     params = [p for p in model.parameters() if p.requires_grad]
     diff_candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]  # what a rollout may record
