@@ -1,4 +1,4 @@
-"""The controlled study of docs/study.md and the context probe of the README's "Findings":
+"""The controlled study of docs/study.md and the probes of docs/demo.md and docs/research_log.md:
 experiments that run train.py many times or look inside a base model, not performance figures
 (those are bench.py's).
 
@@ -11,7 +11,7 @@ experiments that run train.py many times or look inside a base model, not perfor
     python experiments/study.py --context-probe bases/demo.pt    # does a base model use its canvas? (in the preset's world)
     python experiments/study.py --noise-probe bases/demo.pt      # where does a rollout's randomness decide the image?
 
-docs/study.md ran with `--preset free16` (its base: bases/free16.pt).
+docs/study.md ran with `--preset free16` (its base: experiments/bases/free16.pt).
 A table: GRPO runs from the preset's base (the demo's shipped bases/demo.pt; a preset without one
 pretrains a base into --study-out) on the four STUDY_PROMPTS, each run's checkpoints at the table's
 steps evaluated with fixed seeds on the stratified held-out prompts and on the study prompts × 24
