@@ -97,6 +97,27 @@ def group_advantages(rewards, group_size, eps=1e-4):
     return adv.reshape(-1)
 
 
+def min_max_combined(components, weights, group_size, eps=1e-8):
+    """The reward of a step with every component min-max normalised within its group first,
+
+        r_b = sum_k w_k (r_k,b − min_g r_k) / (max_g r_k − min_g r_k + eps),
+
+    a component constant over a group (range < eps) counting 0 there: the released trainers'
+    `normalize_multi_rewards` (off in the released runs), over the batch each process scores,
+    which there is one group; per group here, so that a reward does not depend on the world size
+    or --grad-accum.
+
+    components: {name: (B,)}; weights: {name: w}; returns (B,)
+    """
+    total = 0
+    for name, r in components.items():
+        r = r.reshape(-1, group_size).float()                                 # (#prompts, G)
+        low, high = r.min(dim=1, keepdim=True).values, r.max(dim=1, keepdim=True).values
+        norm = torch.where(high - low < eps, torch.zeros_like(r), (r - low) / (high - low + eps))
+        total = total + weights[name] * norm.reshape(-1)
+    return total
+
+
 def policy_surrogate(logp, logp_old, adv, clip_eps=None):
     """Per-element PPO surrogate to maximise: min(ρ A, clip(ρ, 1−ε, 1+ε) A), ρ = exp(ℓ − ℓ_old).
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 import checkpoints
 import mar
 import shapes
-from prompts import Prompts, read_prompt_file
+from prompts import Prompts, prompt_text, read_prompt_file
 
 MODELS = ["small", "mar_base", "mar_large", "mar_huge", "harmon", "nova"]
 
@@ -190,14 +190,14 @@ def load_prompts(args, model):
         return Prompts("class", items, num_classes=model.num_classes)
     if args.prompts is None:
         raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
-    items = read_prompt_file(args.prompts, "text")
-    return Prompts("text", items, encode=text_encoder(args, model, items))
+    items = read_prompt_file(args.prompts, "text")  # lines, or the released metadata records
+    return Prompts("text", items, encode=text_encoder(args, model, [prompt_text(it) for it in items]))
 
 
-def text_encoder(args, model, items):
+def text_encoder(args, model, texts):
     """prompts (list of str), device -> condition inputs: Harmon's tokenizer (--tokenizer, a local
     folder), or NOVA's precomputed embeddings of `items` (--prompt-embeds, written by
-    `python prompts.py embed-nova`)."""
+    `python prompts.py embed-nova`) of `texts`."""
     if args.model == "harmon":
         import harmon
         if not args.tokenizer:
@@ -211,7 +211,7 @@ def text_encoder(args, model, items):
     if not isinstance(table, dict) or not {"prompts", "embeds"} <= table.keys():
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: expected a dict with 'prompts' and 'embeds'")
     index = {p: i for i, p in enumerate(table["prompts"])}
-    missing = [p for p in items if p not in index]
+    missing = [p for p in texts if p not in index]
     if missing:
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: no embedding for {len(missing)} prompts, e.g. {missing[0]!r}")
     return lambda prompts, device: dict(prompt_embeds=table["embeds"][[index[p] for p in prompts]].to(device))

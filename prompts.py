@@ -3,8 +3,9 @@
 A run's prompts are "items": shapes-world metadata dicts (the small MAR; shapes.py), ImageNet
 class indices (official MAR), or text lines (Harmon, NOVA). `Prompts` turns a batch of items into
 the model's condition inputs (the `inputs` of rollout.py's policy interface), the texts a reward
-reads, and the metadata a verifier reads. A prompt file is one prompt per line; it is parsed when
-the run starts, so a typo fails before any work.
+reads, and the metadata a verifier reads. A prompt file is one prompt per line, or for Harmon and
+NOVA a `.jsonl` file of the released prompt metadata (prompt_records.py: the prompt and what the
+compositional rewards check); it is parsed when the run starts, so a typo fails before any work.
 """
 
 import os
@@ -13,14 +14,21 @@ import sys
 import numpy as np
 import torch
 
+import prompt_records
 import shapes
 from processes import Parser, cli
 
 
 def read_prompt_file(path, kind, num_classes=0):
-    """Prompt lines of a file: kind "shapes" (parsed), "class" (an index, then anything), "text"."""
+    """Prompt lines of a file: kind "shapes" (parsed), "class" (an index, then anything), "text"
+    (a line, or for a .jsonl / .json file a released metadata record, prompt_records.py)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--prompts: no such file: {path}")
+    if prompt_records.is_record_file(path):
+        if kind != "text":
+            raise ValueError(f"--prompts {path}: the released prompt metadata (.jsonl) is for text-conditioned models "
+                             "(--model harmon or nova)")
+        return prompt_records.read_records(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(i + 1, line.strip()) for i, line in enumerate(f) if line.strip()]
@@ -45,13 +53,19 @@ def read_prompt_file(path, kind, num_classes=0):
     return items
 
 
+def prompt_text(item):
+    """The prompt of a text item: the line itself, or a released record's "prompt"."""
+    return item["prompt"] if isinstance(item, dict) else item
+
+
 class Prompts:
     """The prompts of a run and how a batch of them conditions the model.
 
     kind: "shapes" (prompt ids of the shapes vocabulary), "class" (ImageNet labels), or "text"
     (`encode(list of str, device) -> inputs dict`, given by the model's adapter: Harmon's
     tokenizer, NOVA's precomputed prompt embeddings); items: the prompt list (None: the shapes
-    grammar's split `split`, sampled fresh); num_classes: for "class".
+    grammar's split `split`, sampled fresh; for "text", strings or prompt_records dicts);
+    num_classes: for "class".
     """
 
     def __init__(self, kind, items=None, split="train", num_classes=0, encode=None):
@@ -78,7 +92,7 @@ class Prompts:
             return dict(prompt_ids=torch.from_numpy(shapes.tokenize([m["prompt"] for m in items])).to(device))
         if self.kind == "class":
             return dict(labels=torch.tensor([int(c) for c in items], device=device))
-        return self.encode(list(items), device)
+        return self.encode(self.texts(items), device)
 
     def texts(self, items):
         """What a learned reward reads for each item."""
@@ -87,11 +101,12 @@ class Prompts:
         if self.kind == "class":
             from torchvision.models._meta import _IMAGENET_CATEGORIES
             return [f"a photo of a {_IMAGENET_CATEGORIES[int(c)]}" for c in items]
-        return list(items)
+        return [prompt_text(it) for it in items]
 
     def metas(self, items):
-        """What a verifier reads (the shapes reward), one dict per item."""
-        if self.kind == "shapes":
+        """What a verifier reads (the shapes reward; the released records for the compositional
+        rewards), one dict per item."""
+        if self.kind == "shapes" or (self.kind == "text" and items and isinstance(items[0], dict)):
             return list(items)
         return [{"class": int(c)} if self.kind == "class" else {"prompt": t} for c, t in zip(items, self.texts(items))]
 
@@ -123,11 +138,12 @@ def main(argv=None):
     p.add_argument("--init", required=True, help="NOVA pipeline folder (transformer/, scheduler/)")
     p.add_argument("--text-encoder", required=True, help="local Phi-2 folder (the pipeline's text_encoder/)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: beside the text encoder)")
-    p.add_argument("--prompts", required=True, help="prompt file, one per line")
+    p.add_argument("--prompts", required=True, help="prompt file, one per line (or the released .jsonl metadata)")
     p.add_argument("--out", required=True, help="output .pt file")
     args = p.parse_args(argv)
     check_writable(os.path.dirname(os.path.abspath(args.out)), "--out")
     prompts = read_prompt_file(args.prompts, "text")
+    prompts = [prompt_text(it) for it in prompts]  # the prompts of a .jsonl file's records
     model = nova.load_nova(args.init)
     embeds = nova.embed_prompts(prompts, args.text_encoder, model, args.tokenizer)  # (N, T, D)
     atomic_save({"prompts": prompts, "embeds": embeds}, args.out)

@@ -6,7 +6,8 @@ Every reward is a callable
 
     images:   (B, 3, H, W) float in [0, 1], any device (numpy, and uint8 in 0..255, accepted too)
     prompts:  list of B strings
-    metadata: list of B dicts (or None); only `shapes` reads it (the prompt's parsed meta)
+    metadata: list of B dicts (or None): the prompt's parsed meta (`shapes`), or its released record
+              (prompt_records.py; `gdino`, `git_vqa`)
     scores:   (B,) float32 tensor on the CPU
     info:     dict of per-image extras (e.g. "details" for shapes) and JSON-able scalars
 
@@ -19,8 +20,9 @@ weights={...})` parses the `--reward` spec and returns the weighted sum of its r
 
 This file holds the interface, the spec parser, `build_reward`, the reading of weight files that
 the model-based rewards share, and the rewards that need no model (shapes, JPEG). The model-based
-rewards live in clip_rewards.py (open_clip) and imagereward.py (BLIP, transformers); they are
-imported when first built, so `import rewards` pulls in neither library.
+rewards live in clip_rewards.py (open_clip), imagereward.py (BLIP, transformers) and
+composition_rewards.py (GroundingDINO, GIT; transformers); they are imported when first built, so
+`import rewards` pulls in none of those libraries.
 
 Rewards, the weight files they need, and where those files are published
 (the `weights` key is what `build_reward(..., weights={key: path})` and `--reward-ckpt key=PATH` take):
@@ -34,6 +36,9 @@ Rewards, the weight files they need, and where those files are published
 | `hpsv2` | cos(image, prompt) under HPS v2 / v2.1 (papers print it x100: 0.2676 -> "26.76") | `hpsv2` -> `HPS_v2.1_compressed.pt` (v2.1) or `HPS_v2_compressed.pt` (v2.0) | HF `xswu/HPSv2` (linked from GitHub `tgxs002/HPSv2`) |
 | `pickscore` | exp(logit_scale) * cos(image, prompt) (about 100 * cos) | `pickscore` -> `model.safetensors` | HF `yuvalkirstain/PickScore_v1`; its processor `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` is open_clip's built-in tokenizer, so no file is needed for it |
 | `aesthetic` | LAION aesthetic MLP on the L2-normalised CLIP ViT-L/14 image embedding (about 1..10) | `aesthetic` -> `sac+logos+ava1-l14-linearMSE.pth`; `aesthetic_clip` -> `ViT-L-14.pt` | GitHub `christophschuhmann/improved-aesthetic-predictor`; CLIP as for `clip_score` (OpenAI `ViT-L-14.pt` or HF `openai/clip-vit-large-patch14`) |
+| `gdino` | GroundingDINO finds the prompt's nouns, scored by task type (composition_rules.py; 0..1); needs `--prompts FILE.jsonl` | `gdino` -> a folder in the HF layout | HF `IDEA-Research/grounding-dino-tiny` (the transformers conversion of the released `groundingdino_swint_ogc`) |
+| `gdino_released` | the same with the released code's scoring rules, inconsistencies kept (composition_rules.py) | `gdino` | as `gdino` |
+| `git_vqa` | mean over attribute phrases of GIT's P(yes) / (P(yes) + P(no)) (composition_rewards.py; 0..1); needs `--prompts FILE.jsonl` | `git_vqa` -> a folder in the HF layout | HF `microsoft/git-large-vqav2` |
 | `imagereward` | ImageReward v1.0: (MLP(BLIP [CLS] feature of prompt x image) - 0.16717) / 1.03334 (about -2..2) | `imagereward` -> `ImageReward.pt`; `imagereward_tokenizer` -> a folder with `bert-base-uncased`'s `vocab.txt` | HF `THUDM/ImageReward` (`ImageReward.pt`, code in GitHub `THUDM/ImageReward`); tokenizer: HF `google-bert/bert-base-uncased` (the official code's `bert-base-uncased`) |
 
 Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
@@ -70,8 +75,11 @@ WEIGHT_FILES = {
     "aesthetic_clip": ("ViT-L-14.pt", "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
     "imagereward": ("ImageReward.pt", "HF THUDM/ImageReward"),
     "imagereward_tokenizer": ("a folder with the bert-base-uncased vocab.txt", "HF google-bert/bert-base-uncased"),
+    "gdino": ("a GroundingDINO folder in the HF layout", "HF IDEA-Research/grounding-dino-tiny"),
+    "git_vqa": ("a GIT folder in the HF layout", "HF microsoft/git-large-vqav2"),
 }
-FOLDER_KEYS = {"imagereward_tokenizer"}  # weights keys that name a folder, not a file
+FOLDER_KEYS = {"imagereward_tokenizer", "gdino", "git_vqa"}  # weights keys that name a folder, not a file
+METADATA_REWARDS = ("gdino", "gdino_released", "git_vqa")  # rewards that read the released prompt records
 
 
 # -----------------------------------------------------------------------------
@@ -346,12 +354,16 @@ REWARDS = {
     "aesthetic": (_built_from("clip_rewards", "AestheticReward"), ("aesthetic", "aesthetic_clip"), _CLIP_OPTIONS),
     "imagereward": (_built_from("imagereward", "ImageRewardReward"), ("imagereward", "imagereward_tokenizer"),
                     {"arch", "dtype", "batch_size"}),
+    "gdino": (_built_from("composition_rewards", "GDinoReward"), ("gdino",), set()),
+    "gdino_released": (_built_from("composition_rewards", "GDinoReleasedReward"), ("gdino",), set()),
+    "git_vqa": (_built_from("composition_rewards", "GitVqaReward"), ("git_vqa",), set()),
 }
 
 # The model-based reward classes are also reachable from this module (`rewards.HPSv2Reward`), imported on
 # first access (PEP 562) for the same reason as `_built_from`.
 _ELSEWHERE = {"ClipScoreReward": "clip_rewards", "HPSv2Reward": "clip_rewards", "PickScoreReward": "clip_rewards",
-              "AestheticReward": "clip_rewards", "ImageRewardReward": "imagereward"}
+              "AestheticReward": "clip_rewards", "ImageRewardReward": "imagereward", "GDinoReward": "composition_rewards",
+              "GDinoReleasedReward": "composition_rewards", "GitVqaReward": "composition_rewards"}
 
 
 def __getattr__(name):

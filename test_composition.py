@@ -1,0 +1,401 @@
+"""The compositional half: the released prompt metadata, the GroundingDINO and GIT-VQA rewards, and
+their scoring rules, against the released code and hand computations.
+
+- composition_rules RELEASED agrees with the released reward_gdino.py on 688 detections
+  (fixtures/gdino_released_scores.json: the released scoring functions run on random and edge-case
+  boxes with the detector stubbed); FIXED with it wherever no fix applies, and with hand-computed
+  scores for every locality, numeracy and each fix.
+- detector.py's caption, spans, positive map and thresholding, by hand and against the table.
+- The models load strictly from tiny random folders in the Hugging Face layout (built below: config,
+  safetensors, processor and tokenizer files), and a wrong folder is a one-line error naming it.
+- git_vqa against a direct computation; the released records' checks; the min-max combination.
+
+The tokenizer of the tiny models is a BERT WordPiece vocabulary written by `bert_tokenizer`: the ids
+that the models or the released scorers name keep their bert-base-uncased values ([CLS] 101, [SEP]
+102, "." 1012, "?" 1029, which GroundingDINO's text masks look for; "yes" 2748, "no" 2053).
+"""
+
+import json
+import re
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 3000
+FIXED_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103, ".": 1012, "?": 1029, "a": 1037,
+             "the": 1996, "of": 1997, "and": 1998, "on": 2006, "no": 2053, "yes": 2748}
+WORDS = ("red green blue black white round square wooden metal ball cube cat dog bird birds car cars book bench "
+         "bowl cake vase horse photo left right top above below near is sitting two three").split()
+
+
+def bert_tokenizer(folder):
+    """A BertTokenizer over a written vocab.txt in `folder` (FIXED_IDS where they are, WORDS after 2100)."""
+    from transformers import BertTokenizer
+    from transformers.models.bert.tokenization_bert import load_vocab
+    tokens = [f"[unused{i}]" for i in range(VOCAB)]
+    for token, i in FIXED_IDS.items():
+        tokens[i] = token
+    for i, word in enumerate(WORDS):
+        tokens[2100 + i] = word
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    return BertTokenizer(vocab=dict(load_vocab(str(folder / "vocab.txt"))))
+
+
+def save_gdino(folder, seed=0):
+    """A GroundingDINO of a few hundred thousand weights (Swin 8 wide, BERT 8 wide, 10 queries)."""
+    from transformers import (GroundingDinoConfig, GroundingDinoForObjectDetection, GroundingDinoImageProcessor,
+                              GroundingDinoProcessor, SwinConfig)
+    tok = bert_tokenizer(folder / "vocab")
+    swin = SwinConfig(window_size=7, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], image_size=64,
+                      out_indices=[2, 3, 4])
+    config = GroundingDinoConfig(
+        backbone_config=swin, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=10, num_feature_levels=4,
+        encoder_n_points=2, decoder_n_points=2, max_text_len=32,  # d_model: a multiple of 32 (its GroupNorm)
+        text_config=dict(model_type="bert", vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=8, max_position_embeddings=64))
+    torch.manual_seed(seed)  # transformers initialises from the global generator; tests only
+    GroundingDinoForObjectDetection(config).eval().save_pretrained(folder)
+    GroundingDinoProcessor(GroundingDinoImageProcessor(size={"shortest_edge": 128, "longest_edge": 192}), tok).save_pretrained(folder)
+    return folder
+
+
+def save_git(folder, seed=0):
+    """A GIT captioner/VQA model 32 wide over 32-px images."""
+    from transformers import CLIPImageProcessor, GitConfig, GitForCausalLM, GitProcessor
+    tok = bert_tokenizer(folder / "vocab")
+    config = GitConfig(vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                                          image_size=32, patch_size=8, projection_dim=32),
+                       vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                       max_position_embeddings=64, bos_token_id=101, eos_token_id=102, pad_token_id=0)
+    torch.manual_seed(seed)
+    GitForCausalLM(config).eval().save_pretrained(folder)
+    GitProcessor(CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}), tok).save_pretrained(folder)
+    return folder
+
+
+def save_blip_vqa(folder, seed=0):
+    """A BLIP-VQA model 32 wide over 32-px images, with BLIP's [DEC] (decoder start) and [ENC] tokens."""
+    from transformers import BlipConfig, BlipForQuestionAnswering, BlipImageProcessor, BlipProcessor
+    tok = bert_tokenizer(folder / "vocab")
+    tok.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+    config = BlipConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tok.convert_tokens_to_ids("[DEC]"),
+                         pad_token_id=0, sep_token_id=102, eos_token_id=102),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                           patch_size=8, initializer_range=0.02),  # its default 1e-10 leaves a random model blind
+        projection_dim=32, image_text_hidden_size=32)
+    torch.manual_seed(seed)
+    BlipForQuestionAnswering(config).eval().save_pretrained(folder)
+    BlipProcessor(BlipImageProcessor(size={"height": 32, "width": 32}), tok).save_pretrained(folder)
+    return folder
+
+
+# -----------------------------------------------------------------------------
+# The scoring rules against the released code
+
+import composition_rules as cr  # noqa: E402
+import composition_rewards  # noqa: E402
+import detector  # noqa: E402
+import grpo  # noqa: E402
+import prompt_records  # noqa: E402
+import rewards  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TABLE = json.loads((FIXTURES / "gdino_released_scores.json").read_text())["cases"]
+
+
+def detections(d):
+    return cr.Detections(torch.tensor(d["boxes"], dtype=torch.float32).reshape(-1, 4),
+                         torch.tensor(d["scores"], dtype=torch.float32), list(d["labels"]))
+
+
+def fix_applies(case):
+    """True where a FIXED rule changes what is asked or how it is scored (module docstring 1-5)."""
+    r = case["record"]
+    spatial = r.get("spatial_info") if r["task_type"] == "spatial" else None
+    return (r["task_type"] == "numeracy" or any(len(n.split()) > 2 for n in r["nouns"])
+            or (spatial is not None and (spatial["obj1"] == spatial["obj2"]
+                                         or spatial["locality"] in ("above", "on top of", "near", "next to", "on side of"))))
+
+
+def test_released_rules_agree_with_the_released_code():
+    assert len(TABLE) >= 600 and {c["record"]["task_type"] for c in TABLE} == set(prompt_records.TASK_TYPES)
+    assert {c["record"]["spatial_info"]["locality"] for c in TABLE if c["record"]["task_type"] == "spatial"} >= set(
+        prompt_records.LOCALITIES) - {"on top of"}
+    for case in TABLE:
+        got = cr.gdino_score(case["record"], detections(case["detections"]), cr.RELEASED)
+        assert got == pytest.approx(case["score"], abs=1e-6), case["case"]
+
+
+def test_fixed_rules_agree_where_no_fix_applies():
+    kept = [c for c in TABLE if not fix_applies(c)]
+    assert len(kept) > 200
+    for case in kept:
+        assert cr.gdino_score(case["record"], detections(case["detections"]), cr.FIXED) == pytest.approx(case["score"], abs=1e-6)
+
+
+def test_detector_post_processing_agrees_with_the_released_code():
+    for case in TABLE:
+        nouns = case["record"]["nouns"]
+        if not nouns:
+            continue
+        caption, spans, labels = detector.caption_and_spans(nouns, whole_nouns=False)
+        assert caption == case["det_prompt"]["text_prompt"]
+        assert [[list(s) for s in noun] for noun in spans] == case["det_prompt"]["token_spans"]
+        raw = case["raw"]
+        det = detector.detections_from_scores(torch.tensor(raw["logits_for_phrases"]).reshape(len(labels), -1), torch.tensor(raw["boxes_cxcywh_norm"]).reshape(-1, 4),
+                                              labels)
+        want = detections(case["detections"])
+        assert det.labels == want.labels and torch.equal(det.boxes, want.boxes) and torch.equal(det.scores, want.scores)
+
+
+def box(cx, cy, w=0.1, h=0.1):
+    return [cx, cy, w, h]
+
+
+def spatial(locality, b1, b2, obj1="cat", obj2="dog", s1=0.9, s2=0.8):
+    record = {"prompt": "p", "task_type": "spatial", "nouns": [obj1, obj2],
+              "spatial_info": {"obj1": obj1, "obj2": obj2, "locality": locality}}
+    det = cr.Detections(torch.tensor([b1, b2]), torch.tensor([s1, s2]), [obj1, obj2])
+    return {rules: cr.gdino_score(record, det, rules) for rules in ("RELEASED", "FIXED") for rules in [getattr(cr, rules)]}
+
+
+@pytest.mark.parametrize("locality, b1, b2, released, fixed", [
+    # obj1 left of obj2, apart (IoU 0): 0.4 + 1/2
+    ("left of", box(0.2, 0.5), box(0.8, 0.5), 0.9, 0.9), ("on the left of", box(0.2, 0.5), box(0.8, 0.5), 0.9, 0.9),
+    ("left of", box(0.8, 0.5), box(0.2, 0.5), 0.4, 0.4),                  # the other way round: presence only
+    ("right of", box(0.8, 0.5), box(0.2, 0.5), 0.9, 0.9), ("on the right of", box(0.2, 0.5), box(0.8, 0.5), 0.4, 0.4),
+    ("below", box(0.5, 0.8), box(0.5, 0.2), 0.9, 0.9), ("on the bottom of", box(0.5, 0.2), box(0.5, 0.8), 0.4, 0.4),
+    ("on the top of", box(0.5, 0.2), box(0.5, 0.8), 0.9, 0.9),
+    ("above", box(0.5, 0.2), box(0.5, 0.8), 0.4, 0.9),                     # fix 1: released never scores 'above'
+    ("on top of", box(0.5, 0.2), box(0.5, 0.8), 0.4, 0.9),
+    ("above", box(0.5, 0.8), box(0.5, 0.2), 0.4, 0.4),
+    ("left of", box(0.2, 0.5), box(0.8, 0.9), 0.9, 0.9),                   # |dx| 0.6 > |dy| 0.4
+    ("left of", box(0.2, 0.2), box(0.6, 0.8), 0.4, 0.4),                   # |dx| 0.4 < |dy| 0.6: mostly below
+    ("left of", box(0.2, 0.2), box(0.6, 0.6), 0.4, 0.4),                   # |dx| == |dy|: strict, no direction
+    # overlapping: (0.4, 0.5, 0.4, 0.4) and (0.6, 0.5, 0.4, 0.4): IoU = 0.08·... = 1/3 -> 0.1/(1/3) = 0.3
+    ("left of", box(0.4, 0.5, 0.4, 0.4), box(0.6, 0.5, 0.4, 0.4), 0.4 + 0.3 / 2, 0.4 + 0.3 / 2),
+    # near: released D = 150 on normalised units is always met; fixed D = 150/512 of the side
+    ("near", box(0.1, 0.1), box(0.9, 0.9), 0.9, 0.4 + (150 / 512) / 0.8 / 2),
+    ("next to", box(0.1, 0.5), box(0.9, 0.6), 0.9, 0.9),                   # |dy| 0.1 < D
+    ("on side of", box(0.1, 0.1), box(0.5, 0.5), 0.9, 0.9),                # |dx| 0.4 ≥ D, but... see below
+])
+def test_every_locality_by_hand(locality, b1, b2, released, fixed):
+    if locality == "on side of":  # |dx| = |dy| = 0.4 > 150/512 = 0.293: D / 0.4
+        fixed = 0.4 + (150 / 512) / 0.4 / 2
+    got = spatial(locality, b1, b2)
+    assert got[cr.RELEASED] == pytest.approx(released, abs=1e-6) and got[cr.FIXED] == pytest.approx(fixed, abs=1e-6)
+
+
+def test_spatial_presence_confidence_and_same_noun_pairs():
+    record = lambda o1, o2, loc="left of": {"prompt": "p", "task_type": "spatial", "nouns": [o1, o2],
+                                           "spatial_info": {"obj1": o1, "obj2": o2, "locality": loc}}
+    one = cr.Detections(torch.tensor([box(0.2, 0.5)]), torch.tensor([0.9]), ["cat"])
+    assert cr.gdino_score(record("cat", "dog"), one, cr.FIXED) == pytest.approx(0.2)
+    assert cr.gdino_score(record("cat", "dog"), cr.Detections(torch.zeros(0, 4), torch.zeros(0), []), cr.FIXED) == 0
+    # the most confident box of each object decides: cat's 0.95 box is right of the dog
+    three = cr.Detections(torch.tensor([box(0.1, 0.5), box(0.9, 0.5), box(0.5, 0.5)]), torch.tensor([0.5, 0.95, 0.6]),
+                          ["cat", "cat", "dog"])
+    assert cr.gdino_score(record("cat", "dog"), three, cr.RELEASED) == pytest.approx(0.4)
+    assert cr.gdino_score(record("cat", "dog", "right of"), three, cr.RELEASED) == pytest.approx(0.9)
+    # "a cat left of a cat": released 0 (its code raises), fixed: the two most confident cats, either order
+    cats = cr.Detections(torch.tensor([box(0.8, 0.5), box(0.2, 0.5), box(0.5, 0.9)]), torch.tensor([0.9, 0.8, 0.4]),
+                         ["cat"] * 3)
+    assert cr.gdino_score(record("cat", "cat"), cats, cr.RELEASED) == 0
+    assert cr.gdino_score(record("cat", "cat"), cats, cr.FIXED) == pytest.approx(0.9)
+    assert cr.gdino_score(record("cat", "cat", "below"), cats, cr.FIXED) == pytest.approx(0.4)  # the 0.4 cat is not used
+    assert cr.gdino_score(record("cat", "cat"), one, cr.FIXED) == pytest.approx(0.4)
+
+
+def test_numeracy_and_object_scores_by_hand():
+    rec = {"prompt": "p", "task_type": "numeracy", "nouns": ["car", "book", "bird"],
+           "numeracy_info": [{"obj_name": "car", "num": 2}, {"obj_name": "book", "num": 1}, {"obj_name": "bird", "num": 2}]}
+    # two cars apart (a count of 2: 1/3), three books of which two coincide (NMS: 2 ≠ 1: 0.2/3), no bird (0)
+    det = cr.Detections(torch.tensor([box(0.2, 0.2), box(0.8, 0.8), box(0.5, 0.5), box(0.5, 0.5), box(0.1, 0.9)]),
+                        torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]), ["car", "car", "book", "book", "book"])
+    assert cr.numeracy_score(det, rec["numeracy_info"], cr.FIXED) == pytest.approx(1 / 3 + 0.2 / 3)
+    assert cr.gdino_score(rec, det, cr.FIXED) == pytest.approx(1 / 3 + 0.2 / 3)
+    # two cars 0.1 wide at (0.2, 0.2) and (0.21, 0.21): IoU 0.0081 / 0.0119 = 0.68 > 0.5, one car; the released NMS reads
+    # (cx, cy, w, h) as corners (x1, y1, x2, y2) = (0.2, 0.2, 0.1, 0.1): reversed boxes that do not meet, two "cars"
+    pair = cr.Detections(torch.tensor([box(0.2, 0.2), box(0.21, 0.21)]), torch.tensor([0.9, 0.8]), ["car", "car"])
+    one_car = [{"obj_name": "car", "num": 1}]
+    assert cr.numeracy_score(pair, one_car, cr.FIXED) == pytest.approx(1.0)
+    assert cr.numeracy_score(pair, one_car, cr.RELEASED) == pytest.approx(0.2)
+    obj = {"prompt": "p", "task_type": "color", "nouns": ["car", "book", "bird", "car"], "attr_nouns": ["red car"]}
+    assert cr.gdino_score(obj, det, cr.FIXED) == pytest.approx(0.75)             # car twice, book, not bird
+    assert cr.gdino_score(dict(obj, nouns=[]), det, cr.FIXED) == 1.0
+
+
+def test_three_word_nouns_are_asked_whole_when_fixed():
+    caption, spans, labels = detector.caption_and_spans(["roll of paper towel", "red car"], whole_nouns=False)
+    assert caption == "roll of paper towel . red car." and spans == [[(0, 4), (14, 19)], [(22, 25), (26, 29)]]
+    assert labels == ["roll towel", "red car"]  # released: never equal to the noun
+    caption, spans, labels = detector.caption_and_spans(["roll of paper towel", "red car"], whole_nouns=True)
+    assert spans == [[(0, 19)], [(22, 29)]] and labels == ["roll of paper towel", "red car"]
+
+
+# -----------------------------------------------------------------------------
+# The released records
+
+def write_lines(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda r: r.pop("task_type"), ["'task_type'"]),
+    (lambda r: r.update(task_type="counting"), ["'task_type'", "'counting'"]),
+    (lambda r: r.pop("nouns"), ["'nouns'"]),
+    (lambda r: r["spatial_info"].update(locality="behind"), ["'spatial_info.locality'", "'behind'"]),
+    (lambda r: r["spatial_info"].update(obj2="horse"), ["'spatial_info.obj2'", "'horse'"]),
+    (lambda r: r.pop("spatial_info"), ["'spatial_info'"]),
+    (lambda r: r.update(prompt=""), ["'prompt'"]),
+])
+def test_a_bad_record_names_file_line_and_field(tmp_path, change, words):
+    records = [json.loads(line) for line in (FIXTURES / "composition_prompts.jsonl").read_text().splitlines()]
+    assert prompt_records.read_records(FIXTURES / "composition_prompts.jsonl") == records
+    change(records[1])
+    path = write_lines(tmp_path / "p.jsonl", records)
+    with pytest.raises(ValueError) as e:
+        prompt_records.read_records(path)
+    assert str(e.value).startswith(f"--prompts {path}:2: ") and all(w in str(e.value) for w in words), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_numeracy_and_attribute_records(tmp_path):
+    good = {"prompt": "two cars", "task_type": "numeracy", "nouns": ["car"], "numeracy_info": [{"obj_name": "car", "num": 2}]}
+    for bad, field in [({"numeracy_info": []}, "'numeracy_info'"), ({"numeracy_info": [{"obj_name": "car", "num": 0}]},
+                       "'numeracy_info[0].num'"), ({"numeracy_info": [{"obj_name": "bus", "num": 2}]}, "'numeracy_info[0].obj_name'"),
+                       ({"task_type": "color"}, "'attr_nouns'")]:
+        path = write_lines(tmp_path / "p.jsonl", [good, dict(good, **bad)])
+        with pytest.raises(ValueError, match=rf"p.jsonl:2: field {re.escape(field)}"):
+            prompt_records.read_records(path)
+    with pytest.raises(ValueError, match=r"p.jsonl:1: not a JSON object"):
+        prompt_records.read_records(write_lines(tmp_path / "p.jsonl", ["a red car"]))
+
+
+# -----------------------------------------------------------------------------
+# The models, from tiny folders in the Hugging Face layout
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    d = tmp_path_factory.mktemp("composition")
+    return dict(gdino=save_gdino(d / "gdino"), git=save_git(d / "git"), blip=save_blip_vqa(d / "blip"))
+
+
+def images(seed, b=4, size=32):
+    return torch.rand(b, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def records_of(*tasks):
+    by_task = {json.loads(line)["task_type"]: json.loads(line)
+               for line in (FIXTURES / "composition_prompts.jsonl").read_text().splitlines()}
+    return [by_task[t] for t in tasks]
+
+
+def test_the_detector_scores_each_noun_by_the_mean_of_its_tokens(folders):
+    from transformers import GroundingDinoForObjectDetection
+    det = detector.Detector(str(folders["gdino"]), "--reward-ckpt gdino", threshold=0.0)
+    nouns = [["cat", "red car"], ["dog"], [], ["ball", "cube", "bird"]]
+    found = det.detect(images(1), nouns)
+    assert found[2].labels == [] and found[0].labels.count("red car") == 10  # every query passes threshold 0
+    # by hand for image 0: tokens [CLS] cat . red car . [SEP] -> cat = token 1, red car = tokens 3, 4
+    model = GroundingDinoForObjectDetection.from_pretrained(str(folders["gdino"])).eval()
+    tok = det.processor.tokenizer("cat . red car.", return_tensors="pt")
+    word = lambda w: 2100 + WORDS.index(w)
+    assert tok["input_ids"][0].tolist() == [101, word("cat"), 1012, word("red"), word("car"), 1012, 102]
+    pix = det.processor.image_processor(hf_pixel(images(1)[:1]), return_tensors="pt")
+    with torch.no_grad():
+        out = model(**pix, **tok)
+    p = out.logits[0].sigmoid()                                                   # (queries, max_text_len)
+    want = torch.cat([p[:, 1] / (1 + 1e-6), (p[:, 3] + p[:, 4]) / (2 + 1e-6)])  # nouns in order, queries in order
+    assert torch.allclose(found[0].scores, want, atol=1e-5)
+    assert torch.allclose(found[0].boxes, out.pred_boxes[0].repeat(2, 1), atol=1e-5)
+    # batched with padding = one image at a time
+    alone = det.detect(images(1)[3:], nouns[3:])[0]
+    assert alone.labels == found[3].labels and torch.allclose(alone.scores, found[3].scores, atol=1e-5)
+
+
+def hf_pixel(x):
+    import hf_folders
+    return hf_folders.pixel_arrays(x)
+
+
+def test_git_vqa_is_the_yes_share_of_the_next_token(folders):
+    from transformers import GitForCausalLM, GitProcessor
+    reward = rewards.build_reward("git_vqa", weights={"git_vqa": str(folders["git"])})
+    recs = records_of("color", "spatial", "non", "numeracy")
+    scores, info = reward(images(2), [r["prompt"] for r in recs], recs)
+    model = GitForCausalLM.from_pretrained(str(folders["git"])).eval()
+    proc = GitProcessor.from_pretrained(str(folders["git"]))
+
+    def by_hand(image, phrase):
+        ids = [101] + proc.tokenizer(phrase + "?", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logits = model(pixel_values=proc.image_processor(hf_pixel(image[None]), return_tensors="pt")["pixel_values"],
+                           input_ids=torch.tensor([ids])).logits[0, -1]
+        return torch.sigmoid(logits[2748] - logits[2053]).item()  # P(yes) / (P(yes) + P(no))
+    x = images(2)
+    assert scores[0] == pytest.approx((by_hand(x[0], "green bench") + by_hand(x[0], "blue bowl")) / 2, abs=1e-5)
+    assert scores[2] == pytest.approx((by_hand(x[2], "dog") + by_hand(x[2], "cat")) / 2, abs=1e-5)  # no attr_nouns: nouns
+    assert scores[1] == 0 and scores[3] == 0 and 0 < scores[0] < 1
+    assert info["means"]["git_vqa"] == pytest.approx(scores.mean().item())
+
+
+def test_gdino_reward_and_its_released_variant(folders):
+    recs = records_of("spatial", "numeracy", "color", "object")
+    fixed = rewards.build_reward("gdino", weights={"gdino": str(folders["gdino"])})
+    released = rewards.build_reward("gdino_released", weights={"gdino": str(folders["gdino"])})
+    a, _ = fixed(images(3), [r["prompt"] for r in recs], recs)
+    b, _ = released(images(3), [r["prompt"] for r in recs], recs)
+    det = detector.Detector(str(folders["gdino"]), "--reward-ckpt gdino").detect(images(3), [r["nouns"] for r in recs])
+    assert a.tolist() == pytest.approx([cr.gdino_score(r, d, cr.FIXED) for r, d in zip(recs, det)], abs=1e-6)
+    assert b.tolist() == pytest.approx([cr.gdino_score(r, d, cr.RELEASED) for r, d in zip(recs, det)], abs=1e-6)
+    with pytest.raises(ValueError, match="reads the released prompt metadata"):
+        fixed(images(3)[:1], ["a cat"], [{"prompt": "a cat"}])
+
+
+def test_a_wrong_folder_is_one_line_naming_it(folders, tmp_path):
+    import shutil
+    for name, key, folder in (("gdino", "gdino", folders["git"]), ("git_vqa", "git_vqa", folders["gdino"])):
+        with pytest.raises(ValueError, match=rf"--reward-ckpt {key}={re.escape(str(folder))}: config.json is a"):
+            rewards.build_reward(name, weights={key: str(folder)})
+    with pytest.raises(FileNotFoundError, match=r"--reward-ckpt gdino=FOLDER is required"):
+        rewards.build_reward("gdino")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        rewards.build_reward("gdino", weights={"gdino": str(empty)})
+    # weights that lack a tensor: refused, not started from random values
+    broken = tmp_path / "broken"
+    shutil.copytree(folders["git"], broken)
+    from safetensors.torch import load_file, save_file
+    sd = load_file(broken / "model.safetensors")
+    sd.pop(next(k for k in sd if k.endswith("output.weight")))
+    save_file(sd, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"the weights do not fit its config.json \(GitForCausalLM\): missing") as e:
+        rewards.build_reward("git_vqa", weights={"git_vqa": str(broken)})
+    assert "\n" not in str(e.value)
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(folders["git"], no_tok)
+    for f in no_tok.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match=r"no tokenizer files \(tokenizer.json or vocab.txt\)"):
+        rewards.build_reward("git_vqa", weights={"git_vqa": str(no_tok)})
+
+
+# -----------------------------------------------------------------------------
+# The released combination
+
+def test_min_max_combination_by_hand():
+    components = {"hps": torch.tensor([0.20, 0.30, 0.25, 0.25, 0.1, 0.1]), "gdino": torch.tensor([0.0, 0.4, 0.9, 0.4, 0.5, 0.5])}
+    weights = {"hps": 1.0, "gdino": 2.0}
+    got = grpo.min_max_combined(components, weights, group_size=2)
+    # group 1: hps (0, 1), gdino (0, 1); group 2: hps constant -> 0, gdino (1, 0); group 3: all constant -> 0
+    want = torch.tensor([0 + 2 * 0, 1 + 2 * 1, 0 + 2 * 1, 0 + 2 * 0, 0.0, 0.0])
+    assert torch.allclose(got, want, atol=1e-6)
