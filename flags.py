@@ -17,6 +17,7 @@ from dataclasses import fields
 import checkpoints
 import grpo
 import models
+import prompt_records
 import rewards
 from processes import Parser
 from prompts import read_prompt_file
@@ -68,6 +69,17 @@ PRESETS = {
     "nova": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
                  steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
                  mte_seeds=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+    # the released NOVA mix run (scripts/debug_entry_nova_mix.py, same trainer): the NOVA run's settings
+    # (lr 2e-6 constant, β 0.01, 4 images per prompt, 12 of 64 AR steps, 10 of 25 diffusion steps, S = 3,
+    # top 30 %, Δsim > 0, guidance 5 constant) with --reward_funcs "hps git gdino", summed unweighted
+    # (its trainer's normalize_multi_rewards is hard-coded off), on data/geneval_and_t2i_data_final.json
+    # (give it as --prompts: the released records); 3 GPUs × 1 prompt a step there, 8 prompts here as
+    # the other presets. `gdino` fixes the released scorer's inconsistencies (composition_rules.py);
+    # --reward hpsv2,git_vqa,gdino_released scores exactly as released
+    "nova_mix": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
+                     steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
+                     mte_seeds=3, reward="hpsv2,git_vqa,gdino", reward_norm="none", save_every=50, sample_every=50,
+                     eval_prompts=0),
     # the Harmon and NOVA pipelines at toy size, for tests on a tiny model built from a config
     "adapter_smoke": dict(num_iter=4, num_sampling_steps=6, cfg_schedule="constant", temperature=1.0, steps=2,
                           prompts_per_step=2, group_size=2, train_ar_steps=2, train_diff_steps=2, mte_seeds=2,
@@ -176,7 +188,11 @@ def build_parser():
     # rewards and prompts
     a("--reward", default="shapes", help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5")
     a("--reward-ckpt", action="append", default=[], help="reward weights KEY=PATH (repeatable)")
-    a("--prompts", default=None, help="prompt file, one per line (shapes prompts, class indices, or text)")
+    a("--reward-norm", default="none", choices=["none", "group-minmax"],
+      help="combine the rewards as the weighted sum of their raw values, or of each min-max normalised within its "
+           "group (the released normalize_multi_rewards; grpo.min_max_combined)")
+    a("--prompts", default=None, help="prompt file, one per line (shapes prompts, class indices, or text), or for "
+                                      "Harmon and NOVA the released metadata, one JSON record a line (.jsonl)")
     a("--split", default="train", choices=["train", "all"], help="shapes prompts to train on")
     # evaluation, logging, checkpoints
     a("--eval-prompts", type=NONNEG_INT, default=96, help="shapes prompts evaluated per split (0 = skip)")
@@ -280,6 +296,10 @@ def check_model_inputs(args, reward_names=None):
     if reward_names is not None:
         if "shapes" in reward_names and args.model != "small":
             raise ValueError(f"--reward shapes scores shapes-world prompts; --model {args.model} does not draw them")
+        needs_records = [n for n in reward_names if n in rewards.METADATA_REWARDS]
+        if needs_records and not (args.prompts and prompt_records.is_record_file(args.prompts)):
+            raise ValueError(f"--reward {needs_records[0]} reads the released prompt metadata: give --prompts FILE.jsonl "
+                             f"(one JSON record a line, prompt_records.py){'' if args.prompts is None else f', not {args.prompts}'}")
         rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
     checkpoints.check_writable(args.out, "--out")
 

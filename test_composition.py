@@ -16,12 +16,20 @@ that the models or the released scorers name keep their bert-base-uncased values
 """
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
+
+import composition_rules as cr
+import detector
+import grpo
+import hf_folders
+import prompt_records
+import rewards
+from test_train_adapters import tiny_archs  # noqa: F401  (a fixture)
 
 VOCAB = 3000
 FIXED_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103, ".": 1012, "?": 1029, "a": 1037,
@@ -97,13 +105,6 @@ def save_blip_vqa(folder, seed=0):
 
 # -----------------------------------------------------------------------------
 # The scoring rules against the released code
-
-import composition_rules as cr  # noqa: E402
-import composition_rewards  # noqa: E402
-import detector  # noqa: E402
-import grpo  # noqa: E402
-import prompt_records  # noqa: E402
-import rewards  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TABLE = json.loads((FIXTURES / "gdino_released_scores.json").read_text())["cases"]
@@ -309,7 +310,7 @@ def test_the_detector_scores_each_noun_by_the_mean_of_its_tokens(folders):
     tok = det.processor.tokenizer("cat . red car.", return_tensors="pt")
     word = lambda w: 2100 + WORDS.index(w)
     assert tok["input_ids"][0].tolist() == [101, word("cat"), 1012, word("red"), word("car"), 1012, 102]
-    pix = det.processor.image_processor(hf_pixel(images(1)[:1]), return_tensors="pt")
+    pix = det.processor.image_processor(hf_folders.pixel_arrays(images(1)[:1]), return_tensors="pt")
     with torch.no_grad():
         out = model(**pix, **tok)
     p = out.logits[0].sigmoid()                                                   # (queries, max_text_len)
@@ -319,11 +320,6 @@ def test_the_detector_scores_each_noun_by_the_mean_of_its_tokens(folders):
     # batched with padding = one image at a time
     alone = det.detect(images(1)[3:], nouns[3:])[0]
     assert alone.labels == found[3].labels and torch.allclose(alone.scores, found[3].scores, atol=1e-5)
-
-
-def hf_pixel(x):
-    import hf_folders
-    return hf_folders.pixel_arrays(x)
 
 
 def test_git_vqa_is_the_yes_share_of_the_next_token(folders):
@@ -337,7 +333,7 @@ def test_git_vqa_is_the_yes_share_of_the_next_token(folders):
     def by_hand(image, phrase):
         ids = [101] + proc.tokenizer(phrase + "?", add_special_tokens=False).input_ids
         with torch.no_grad():
-            logits = model(pixel_values=proc.image_processor(hf_pixel(image[None]), return_tensors="pt")["pixel_values"],
+            logits = model(pixel_values=proc.image_processor(hf_folders.pixel_arrays(image[None]), return_tensors="pt")["pixel_values"],
                            input_ids=torch.tensor([ids])).logits[0, -1]
         return torch.sigmoid(logits[2748] - logits[2053]).item()  # P(yes) / (P(yes) + P(no))
     x = images(2)
@@ -399,3 +395,59 @@ def test_min_max_combination_by_hand():
     # group 1: hps (0, 1), gdino (0, 1); group 2: hps constant -> 0, gdino (1, 0); group 3: all constant -> 0
     want = torch.tensor([0 + 2 * 0, 1 + 2 * 1, 0 + 2 * 1, 0 + 2 * 0, 0.0, 0.0])
     assert torch.allclose(got, want, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# train.py end to end: NOVA on the released records with the released mix
+
+TINY_CLIP = "composition-test-clip"
+
+
+@pytest.fixture
+def hps_tiny(tmp_path, monkeypatch):
+    """A tiny open_clip architecture's HPS file, `--reward hpsv2` built on it through its real loading path."""
+    import clip_rewards
+    import open_clip
+    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    (tmp_path / f"{TINY_CLIP}.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(tmp_path)
+    torch.manual_seed(4)  # open_clip initialises from the global generator; tests only
+    torch.save({"state_dict": open_clip.create_model(TINY_CLIP, pretrained=None).state_dict()}, tmp_path / "HPS_tiny.pt")
+    factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=TINY_CLIP, **kw)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
+    return tmp_path / "HPS_tiny.pt"
+
+
+def test_nova_trains_on_the_released_records_with_hps_git_and_gdino(folders, hps_tiny, tiny_archs, tmp_path, capsys):
+    import test_nova
+    import test_train_adapters as adapters
+    pipe = tmp_path / "pipe"
+    adapters.save_nova_pipeline(pipe, adapters.FLOW, seed=45)
+    prompts = FIXTURES / "composition_prompts.jsonl"
+    texts = [r["prompt"] for r in prompt_records.read_records(prompts)]
+    t = test_nova.tiny_config(None)["transformer"]
+    embeds = torch.randn(len(texts), t["text_token_len"], t["text_token_dim"], generator=torch.Generator().manual_seed(46))
+    torch.save({"prompts": texts, "embeds": embeds}, tmp_path / "embeds.pt")
+    out = tmp_path / "run"
+    flags = ["--preset", "adapter_smoke", "--model", "nova", "--init", pipe, "--prompt-embeds", tmp_path / "embeds.pt",
+             "--prompts", prompts, "--out", out, "--reward", "hpsv2,git_vqa,gdino", "--reward-ckpt", f"hpsv2={hps_tiny}",
+             "--reward-ckpt", f"git_vqa={folders['git']}", "--reward-ckpt", f"gdino={folders['gdino']}"]
+    code, _, err = adapters.cli(capsys, *flags)
+    assert code == 0, err[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:  # each component's mean is logged; the reward is their unweighted sum
+        parts = [r[f"reward/{name}"] for name in ("hpsv2", "git_vqa", "gdino")]
+        assert all(math.isfinite(p) for p in parts) and r["reward_mean"] == pytest.approx(sum(parts), abs=1e-5)
+        assert r["logp_parity_err"] < 1e-4 and r["skipped"] == 0
+    results = [json.loads(line) for line in (out / "eval" / "tuned" / "results.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in results] == texts  # evaluation runs over the file's records
+
+    # a metadata reward without the records is refused before any work, in one line
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("\n".join(texts) + "\n")
+    flags[flags.index("--prompts") + 1] = txt
+    out2 = tmp_path / "run2"
+    flags[flags.index("--out") + 1] = out2
+    adapters.assert_bad_input(capsys, out2, flags, "--reward git_vqa", "--prompts FILE.jsonl", str(txt))

@@ -174,6 +174,8 @@ def collect(args, ctx, settings, model, codec, prompts, reward_fn, step, shard, 
     t1 = time.time()
     texts = prompts.texts(items)
     scores, info = score(reward_fn, args.reward, images, texts, prompts.metas(items))
+    if args.reward_norm == "group-minmax":  # each component min-max normalised within its group, then summed
+        scores = grpo.min_max_combined(info["components"], info["weights"], args.group_size)
     scores = scores.to(ctx.device)
     adv = grpo.group_advantages(scores, args.group_size)
     t2 = time.time()
