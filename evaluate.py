@@ -43,6 +43,7 @@ from tqdm import tqdm
 import flags
 import models
 import processes
+import prompt_records
 import rewards
 import rollout
 import shapes
@@ -201,6 +202,10 @@ def table_parser():
     a("--images-per-prompt", type=flags.POS_INT, default=1, help="images generated per prompt and checkpoint")
     a("--batch-size", type=flags.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
     a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, table.json")
+    a("--compbench", action="store_true", help="the T2I-CompBench table (compbench.py) instead of the --reward columns: "
+      "--prompts is the released records (.jsonl), each image scored by its task type's evaluator")
+    a("--compbench-ckpt", action="append", default=[], metavar="KEY=PATH",
+      help="T2I-CompBench weights: blip_vqa=FOLDER, gdino=FOLDER, clip=ViT-B-32.pt (repeatable)")
     return p
 
 
@@ -211,6 +216,7 @@ def parse_table_args(argv=None):
         raise ValueError("--out '': give the table's folder")
     args = flags.parse_args(rest)
     args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
+    args.compbench, args.compbench_weights = own.compbench, parse_compbench_ckpt(own.compbench_ckpt, own.compbench)
     args.ckpts = parse_ckpts(own.ckpt)
     args.init = args.ckpts[0][1]  # where models.load_codec looks for NOVA's vae/ folder
     check_table_inputs(args)
@@ -234,6 +240,25 @@ def parse_ckpts(values):
     return out
 
 
+def parse_compbench_ckpt(values, wanted):
+    """['blip_vqa=DIR', ...] -> {"blip_vqa": "DIR", ...}; one-line errors naming --compbench-ckpt."""
+    import compbench
+    weights = {}
+    for value in values:
+        key, sep, path = value.partition("=")
+        if not sep or key not in compbench.WEIGHT_KEYS:
+            raise ValueError(f"--compbench-ckpt {value!r}: write KEY=PATH with KEY in {', '.join(compbench.WEIGHT_KEYS)}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--compbench-ckpt {key}={path}: no such file or folder ({compbench.WEIGHT_KEYS[key]})")
+        weights[key] = path
+    if weights and not wanted:
+        raise ValueError("--compbench-ckpt: the weights of the T2I-CompBench table; add --compbench")
+    missing = [k for k in compbench.WEIGHT_KEYS if k not in weights]
+    if wanted and missing:
+        raise FileNotFoundError(f"--compbench-ckpt {missing[0]}=PATH is required: {compbench.WEIGHT_KEYS[missing[0]]}")
+    return weights
+
+
 def reward_names(spec):
     """The --reward names; a weight is refused (the table scores every reward on its own)."""
     if ":" in (spec or ""):
@@ -243,7 +268,9 @@ def reward_names(spec):
 
 def check_table_inputs(args):
     """Files and cross-flag rules, before anything is loaded or written: one-line errors naming the flag."""
-    flags.check_model_inputs(args, reward_names(args.reward))
+    if args.compbench and not (args.prompts and prompt_records.is_record_file(args.prompts)):
+        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records (prompt_records.py)")
+    flags.check_model_inputs(args, None if args.compbench else reward_names(args.reward))
 
 
 @torch.no_grad()
@@ -274,8 +301,9 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
             file = f"images/{i:05d}_{j:03d}.png"
             pixels = (images[k].float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0)  # (H, W, 3) uint8
             Image.fromarray(pixels.cpu().numpy()).save(os.path.join(out_dir, file))
+            task = its[k].get("task_type") if isinstance(its[k], dict) else None  # a released record's
             rows.append(dict(prompt=texts[k], prompt_index=i, image_index=j, file=file,
-                             **{key: values[k] for key, values in columns.items()}))
+                             **({"task_type": task} if task else {}), **{key: values[k] for key, values in columns.items()}))
     if ctx.ddp:
         gathered = [None] * ctx.world
         dist.all_gather_object(gathered, rows)
@@ -301,10 +329,20 @@ def table_columns(names):
             for name in names for key, label, scale, decimals in COLUMNS.get(name, [(name, name, 1.0, 2)])]
 
 
+def compbench_columns(items):
+    """The T2I-CompBench table's columns: one per category the prompt records hold, in the paper's order."""
+    import compbench
+    tasks = {it["task_type"] for it in items}
+    return [dict(key="compbench", task=task, id=f"compbench/{task}", reward="compbench", label=label, scale=1.0, decimals=4)
+            for task, label in compbench.CATEGORIES.items() if task in tasks]
+
+
 def table_row(name, path, rows, columns):
-    """One checkpoint's row: each column's mean ± SEM over images, in the column's printed scale."""
+    """One checkpoint's row: each column's mean ± SEM over images (of its category, for a column with a
+    `task`), in the column's printed scale."""
+    pick = lambda c: [r for r in rows if c.get("task") in (None, r.get("task_type"))]
     return {"name": name, "ckpt": path, "n": len(rows),
-            "cells": {c["key"]: mean_sem([c["scale"] * r[c["key"]] for r in rows]) for c in columns}}
+            "cells": {c.get("id", c["key"]): mean_sem([c["scale"] * r[c["key"]] for r in pick(c)]) for c in columns}}
 
 
 def table_markdown(table):
@@ -314,8 +352,9 @@ def table_markdown(table):
     lines = [f"{table['num_prompts']} prompts × {table['images_per_prompt']} images per checkpoint, seed "
              f"{table['seed']}; mean ± standard error of the mean over images", "",
              "| checkpoint | " + " | ".join(c["label"] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines += ["| " + " | ".join([row["name"]] + [fmt(row["cells"][c["key"]], c["decimals"]) for c in cols]) + " |"
+    lines += ["| " + " | ".join([row["name"]] + [fmt(row["cells"][c.get("id", c["key"])], c["decimals"]) for c in cols]) + " |"
               for row in table["rows"]]
+    lines += [""] + [f"{k}. {note}" for k, note in enumerate(table.get("notes", []), 1)] if table.get("notes") else []
     return "\n".join(lines) + "\n"
 
 
@@ -325,10 +364,15 @@ def main(argv=None):
     dict (also DIR/table.json); an empty dict on ranks > 0."""
     args = parse_table_args(argv)
     ctx = processes.Ctx(args)
-    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    names = reward_names(args.reward)
-    reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}
-    columns = table_columns(names)
+    if args.compbench:  # one score per image, its category's (compbench.py)
+        import compbench
+        reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
+        columns, notes = None, compbench.DEPARTURES
+    else:
+        weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+        names = reward_names(args.reward)
+        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}
+        columns, notes = table_columns(names), []
     table, codec = None, None
     for name, path in args.ckpts:
         # --- load one checkpoint at a time (a wrong-shaped later one fails after the earlier rows)
@@ -340,8 +384,11 @@ def main(argv=None):
             codec = models.load_codec(args, model, ctx.device)
         prompts = models.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
         items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
+        if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
+            items = [it for it in items if it["task_type"] != "object"]
+            columns = columns or compbench_columns(items)
         if table is None:
-            table = dict(columns=columns, rows=[], num_prompts=len(items), images_per_prompt=args.images_per_prompt,
+            table = dict(columns=columns, notes=notes, rows=[], num_prompts=len(items), images_per_prompt=args.images_per_prompt,
                          seed=args.seed, batch_size=args.batch_size, model=args.model, prompts=args.prompts,
                          args={k: v for k, v in vars(args).items() if k != "ckpts"})
         # --- generate and score; the row's mean ± SEM per column

@@ -20,6 +20,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -451,3 +452,85 @@ def test_nova_trains_on_the_released_records_with_hps_git_and_gdino(folders, hps
     out2 = tmp_path / "run2"
     flags[flags.index("--out") + 1] = out2
     adapters.assert_bad_input(capsys, out2, flags, "--reward git_vqa", "--prompts FILE.jsonl", str(txt))
+
+
+# -----------------------------------------------------------------------------
+# T2I-CompBench
+
+def test_compbench_spatial_and_numeracy_rules_by_hand():
+    import compbench
+    info = {"obj1": "cat", "obj2": "dog", "locality": "on the left of"}
+    det = cr.Detections(torch.tensor([box(0.2, 0.5), box(0.8, 0.5), box(0.3, 0.5)]), torch.tensor([0.6, 0.8, 0.9]),
+                        ["cat", "dog", "cat"])
+    # the most confident cat (0.9 at x 0.3) is left of the dog: 0.25 (0.9 + 0.8) + 1/2
+    assert compbench.spatial_score(det, info) == pytest.approx(0.25 * 1.7 + 0.5)
+    assert compbench.spatial_score(det, dict(info, locality="on the right of")) == 0   # 0.425 < 0.5: cut to 0
+    assert compbench.spatial_score(cr.Detections(det.boxes[:1], det.scores[:1], ["cat"]), info) == 0
+    # counting: a box inside a kept one (> 90 % of it covered) is the same object; apart ones count
+    cars = cr.Detections(torch.tensor([box(0.5, 0.5, 0.4, 0.4), box(0.5, 0.5, 0.3, 0.3), box(0.1, 0.1), box(0.9, 0.9)]),
+                         torch.tensor([0.5, 0.9, 0.7, 0.6]), ["car"] * 4)
+    assert compbench.count(cars, "car") == 3 and compbench.count(cars, "bus") == 0
+    items = [{"obj_name": "car", "num": 3}, {"obj_name": "bus", "num": 1}, {"obj_name": "car", "num": 2}]
+    assert compbench.numeracy_score(cars, items) == pytest.approx((0.5 + 0.5) / 3 + 0 + 0.5 / 3)
+
+
+@pytest.fixture
+def compbench_weights(folders, hps_tiny):
+    return {"blip_vqa": str(folders["blip"]), "gdino": str(folders["gdino"]), "clip": str(hps_tiny)}
+
+
+def test_compbench_scores_each_image_by_its_category(compbench_weights):
+    import compbench
+    bench = compbench.CompBench(compbench_weights, clip_model=TINY_CLIP)
+    recs = records_of("color", "spatial", "non", "numeracy", "complex", "shape")
+    x = images(5, b=6)
+    scores, info = bench(x, [r["prompt"] for r in recs], recs)
+    assert info["category"] == [r["task_type"] for r in recs]
+    # color: the product over its phrases, each asked alone (no padding) as in the benchmark's loop
+    alone = [bench.blip.p_yes(x[:1], [f"{p}?"]).item() for p in recs[0]["attr_nouns"]]
+    assert scores[0] == pytest.approx(alone[0] * alone[1], abs=1e-5) and 0 < alone[0] < 1
+    found = bench.detector.detect(x, [r["nouns"] for r in recs])
+    assert scores[1] == pytest.approx(compbench.spatial_score(found[1], recs[1]["spatial_info"]), abs=1e-6)
+    assert scores[3] == pytest.approx(compbench.numeracy_score(found[3], recs[3]["numeracy_info"]), abs=1e-6)
+    cos = bench.clip(x[2:3], [recs[2]["prompt"]])[0].item() / 100
+    assert scores[2] == pytest.approx(cos, abs=1e-6) and abs(cos) < 1
+    book = bench.blip.p_yes(x[4:5], ["book?"]).item() * bench.blip.p_yes(x[4:5], ["vase?"]).item()  # no attr_nouns
+    assert scores[4] == pytest.approx((book + compbench.spatial_score(found[4], recs[4]["spatial_info"])) / 2, abs=1e-5)
+
+
+def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tiny, tiny_archs, tmp_path, capsys, monkeypatch):
+    import compbench
+    import evaluate
+    import test_nova
+    import test_train_adapters as adapters
+    monkeypatch.setattr(compbench.CompBench.__init__, "__defaults__", ("cpu", TINY_CLIP))
+    pipe = tmp_path / "pipe"
+    adapters.save_nova_pipeline(pipe, adapters.FLOW, seed=47)
+    prompts = FIXTURES / "composition_prompts.jsonl"
+    recs = prompt_records.read_records(prompts)
+    t = test_nova.tiny_config(None)["transformer"]
+    embeds = torch.randn(len(recs), t["text_token_len"], t["text_token_dim"], generator=torch.Generator().manual_seed(48))
+    torch.save({"prompts": [r["prompt"] for r in recs], "embeds": embeds}, tmp_path / "embeds.pt")
+    out = tmp_path / "table"
+    flags = ["--ckpt", f"base={pipe}", "--compbench", *[f"--compbench-ckpt={k}={v}" for k, v in compbench_weights.items()],
+             "--preset", "adapter_smoke", "--model", "nova", "--prompt-embeds", tmp_path / "embeds.pt", "--prompts", prompts,
+             "--images-per-prompt", 2, "--batch-size", 4, "--out", out]
+    capsys.readouterr()
+    assert evaluate.cli([str(f) for f in flags]) == 0, capsys.readouterr().err[-2000:]
+    printed = capsys.readouterr().out
+    table = json.loads((out / "table.json").read_text())
+    rows = [json.loads(line) for line in (out / "base" / "scores.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * (len(recs) - 1)  # the `object` record has no category
+    assert [c["label"] for c in table["columns"]] == list(compbench.CATEGORIES.values())
+    for c in table["columns"]:  # each cell: mean ± SEM over its category's images, from scores.jsonl
+        x = np.array([r["compbench"] for r in rows if r["task_type"] == c["task"]])
+        cell = table["rows"][0]["cells"][c["id"]]
+        assert cell["n"] == len(x) and cell["mean"] == pytest.approx(x.mean(), abs=1e-9)
+        assert cell["sem"] == pytest.approx(x.std(ddof=1) / math.sqrt(len(x)), abs=1e-9)
+        assert f"{cell['mean']:.4f} ± {cell['sem']:.4f}" in printed
+    assert "| checkpoint | Color | Shape | Texture | Spatial | Non-spatial | Complex | Numeracy |" in printed
+    assert "GroundingDINO" in printed  # the departures are printed under the table
+    # the table needs the records and its three weights, said in one line before any work
+    code = evaluate.cli([str(f) for f in flags[:2] + ["--compbench"] + flags[6:]])
+    err = capsys.readouterr().err
+    assert code == 2 and "--compbench-ckpt blip_vqa=PATH is required" in err and len(err.strip().splitlines()) == 1
