@@ -156,6 +156,12 @@ def test_detector_post_processing_agrees_with_the_released_code():
         assert det.labels == want.labels and torch.equal(det.boxes, want.boxes) and torch.equal(det.scores, want.scores)
 
 
+def test_the_box_threshold_is_strict():
+    boxes = torch.tensor([box(0.1, 0.1), box(0.5, 0.5), box(0.9, 0.9)])
+    det = detector.detections_from_scores(torch.tensor([[0.3, 0.31, 0.2], [0.9, 0.3, 0.29]]), boxes, ["cat", "dog"])
+    assert det.labels == ["cat", "dog"] and torch.equal(det.boxes, boxes[[1, 0]]) and det.scores.tolist() == pytest.approx([0.31, 0.9])
+
+
 def box(cx, cy, w=0.1, h=0.1):
     return [cx, cy, w, h]
 
