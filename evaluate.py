@@ -19,6 +19,11 @@ DIR/table.json (rows: checkpoints; columns: rewards as the papers print them, "m
 Every flag it does not define itself (--model, --preset, --prompts, --seed, --reward,
 --reward-ckpt, the sampling flags, ...) is train.py's, with train.py's defaults and checks.
 
+With --compbench (and --prompts FILE.jsonl, the released records) the columns are T2I-CompBench's
+categories instead: each image is scored by its record's category evaluator (compbench.py), each
+cell is the mean ± SEM over that category's images, and the departures from the benchmark are
+printed under the table.
+
 Where the table departs from what the papers state:
 1. Seeds are per batch: batch b of the fixed (prompt, image) list is drawn from a generator seeded
    by (--seed, b) on the run's device, so an image depends on the seed, --batch-size and the device
