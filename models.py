@@ -196,8 +196,8 @@ def load_prompts(args, model):
 
 def text_encoder(args, model, texts):
     """prompts (list of str), device -> condition inputs: Harmon's tokenizer (--tokenizer, a local
-    folder), or NOVA's precomputed embeddings of `items` (--prompt-embeds, written by
-    `python prompts.py embed-nova`) of `texts`."""
+    folder), or NOVA's precomputed embeddings (--prompt-embeds, written by `python prompts.py
+    embed-nova`), which must hold every prompt of `texts`."""
     if args.model == "harmon":
         import harmon
         if not args.tokenizer:
