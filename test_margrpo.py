@@ -22,6 +22,8 @@ torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core ma
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_SHA256 = {
     "README_adapters.md": "7b631887820239b23449071f66384a53ea37221a993c183c212d62a6e6842148",
+    "composition_prompts.jsonl": "58661420a7ab585872289ccf15599976db4a61387b14cd3a1af1bdeb6a52cc0b",
+    "gdino_released_scores.json": "014b5fc81e7d93b2bc2ba3d88496a8ace81418d28c7a32c6e9a96e470d2ac10e",
     "harmon_state_dict.json": "b50d180508b73a351f54216ecfabe670fac970f59fadba6f693fb1e5d78f2970",
     "harmon_tiny_official.pt": "c8cb7a3c6a77ac3117471376dd5ebc21485fa99d82b468eb7b51ac403790a546",
     "kl16_vae_state_dict.json": "6d4b7dcf56bddf2a27aef7f6189307a8bf74dbe8f487defe6a43c1de11a2fb8b",
