@@ -18,7 +18,8 @@ from diffloss import DiffLoss, transition_logprob
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
 
-# the official models' state-dict listings and tiny official Harmon / NOVA runs (fixtures/README_adapters.md)
+# the official models' state-dict listings and tiny official Harmon / NOVA runs (fixtures/README_adapters.md), the
+# released GroundingDINO scorer's outputs and ten prompt records in the released format (docs/composition.md)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FIXTURE_SHA256 = {
     "README_adapters.md": "7b631887820239b23449071f66384a53ea37221a993c183c212d62a6e6842148",
@@ -245,7 +246,8 @@ def test_diffloss_training_loss_decreases():
 # mar.py
 
 def test_fixtures_are_the_recorded_files():
-    """The fixtures are data made by the official code: never edited (their sha256 pinned in this test)."""
+    """The fixtures are recorded data (made by the official and released code; the prompt records by hand):
+    never edited (their sha256 pinned in this test)."""
     import checkpoints
     assert sorted(p.name for p in FIXTURES.iterdir()) == sorted(FIXTURE_SHA256)
     for name, digest in FIXTURE_SHA256.items():
