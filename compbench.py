@@ -83,11 +83,11 @@ def count(det, name):
     kept = []
     for i in sorted(det.of(name), key=lambda i: -float(det.scores[i])):
         x1, y1, x2, y2 = composition_rules.corners(det.boxes[i]).tolist()
-        area = (x2 - x1) * (y2 - y1)
+        area = max((x2 - x1) * (y2 - y1), 1e-12)                      # a degenerate box divides by no zero
         duplicate = False
         for a1, b1, a2, b2 in kept:
             inter = max(0.0, min(x2, a2) - max(x1, a1)) * max(0.0, min(y2, b2) - max(y1, b1))
-            other = (a2 - a1) * (b2 - b1)
+            other = max((a2 - a1) * (b2 - b1), 1e-12)
             if max(inter / (area + other - inter), inter / area, inter / other) > DUPLICATE_OVERLAP:
                 duplicate = True
                 break

@@ -92,7 +92,8 @@ def position_score(locality, box1, box2, rules):
     dx = (x1b + x2b) / 2 - (x1a + x2a) / 2
     dy = (y1b + y2b) / 2 - (y1a + y2a) / 2
     inter = max(0.0, min(x2a, x2b) - max(x1a, x1b)) * max(0.0, min(y2a, y2b) - max(y1a, y1b))
-    iou = inter / ((x2a - x1a) * (y2a - y1a) + (x2b - x1b) * (y2b - y1b) - inter)
+    union = (x2a - x1a) * (y2a - y1a) + (x2b - x1b) * (y2b - y1b) - inter
+    iou = inter / union if union > 0 else 0.0  # degenerate (zero-area) boxes: no overlap
     apart = 1.0 if iou < IOU_THRESHOLD else IOU_THRESHOLD / iou
     if locality in ("next to", "on side of", "near"):
         d = rules.near_distance
