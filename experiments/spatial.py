@@ -4,7 +4,9 @@ signal for RL on spatial prompts, and where in a rollout is the placement decide
     python experiments/spatial.py --probe bases/demo.pt --threads 1          # the measurements, at the demo's τ
     python experiments/spatial.py --probe bases/demo.pt --temperature 0.5    # ... at another τ
     python experiments/spatial.py --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
+    python experiments/spatial.py --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
     python experiments/spatial.py --train FLAGS       # train.py with FLAGS and the reward `shapes_relation` registered
+    python experiments/spatial.py --report RUN [RUN ...]   # a run's training reward, gradient norm and KL (metrics.jsonl)
 
 In the demo's world (`--cell 8`: each object fills one 8-px cell of a 2 × 2 grid) a spatial prompt
 "A REL B" is right when A and B are drawn and their cells stand in the relation, e.g. "left of": the
@@ -56,16 +58,19 @@ CHANCE = 2 / 12  # a given relation holds for 2 of the 12 ordered placements of 
 
 
 class ShapesRelationReward(rewards.ShapesReward):
-    """The relation alone, a partial score of the verifier: r = 1 where a spatial prompt's two objects
-    are both drawn and their largest instances stand in its relation (verifier.py), else 0; the
-    verifier's score for prompts of the other categories. Weighted beside `shapes` it puts more of the
-    reward on placement: `--reward shapes:1,shapes_relation:1`."""
+    """The relation, scored strictly: r = 1 where a spatial prompt's relation holds (verifier.py) with
+    each of its two objects drawn exactly once and nothing else drawn, else 0; the verifier's score
+    for prompts of the other categories. Strict because the verifier's relation compares the largest
+    instances, which duplicates game: trained on the verifier alone, the demo base learnt to fill the
+    grid with copies of the requested objects (docs/study.md, "Spatial relations"). Weighted beside
+    `shapes` it puts more of the reward on placement: `--reward shapes:1,shapes_relation:1`."""
 
     name = "shapes_relation"
 
     def score(self, images, prompts, metadata):
         scores, details = self.verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
-        r = [float(d["relation"] is True) if d["relation"] is not None else float(s) for s, d in zip(scores, details)]
+        r = [float(d["relation"] is True and d["count"] and d["extra_objects"] == 0) if d["relation"] is not None
+             else float(s) for s, d in zip(scores, details)]
         return torch.tensor(r, dtype=torch.float32), {"details": list(details)}
 
 
@@ -103,6 +108,8 @@ def group_signal(scores, details, G):
                groups_reward_varies=float((scores.std(1) > 0).mean()),
                reward_var_within=float(scores.var(1, ddof=1).mean()),
                relation_var_within=float(relation.astype(float).var(1, ddof=1).mean()),
+               extra=float(np.mean([d["extra_objects"] > 0 for d in details])),
+               counts_off=float(np.mean([not d["count"] for d in details])),
                both=int(both.sum()), relation_given_both=int((relation & both).sum()),
                relation_rate_given_both=float((relation & both).sum() / max(both.sum(), 1)))
     c = correct.sum(1)
@@ -146,8 +153,9 @@ def verify_tokens(model, tokens, metas):
 
 
 @torch.no_grad()
-def sample_groups(model, metas, G, num_iter, temperature, seed, batch=96):
-    """G images for each meta (consecutive), at CFG 1. Returns (scores (n·G,), details)."""
+def sample_groups(model, metas, G, num_iter, temperature, seed, batch=96, grid=None):
+    """G images for each meta (consecutive), at CFG 1. Returns (scores (n·G,), details); grid: a PNG
+    path for the first 32 images with their prompts ([ok] = correct)."""
     items = [m for m in metas for _ in range(G)]
     prompts = Prompts("shapes")
     scores, details = [], []
@@ -159,6 +167,10 @@ def sample_groups(model, metas, G, num_iter, temperature, seed, batch=96):
         tokens = continue_rollout(model, cond, torch.zeros(B, L, model.token_embed_dim), torch.ones(B, L, dtype=torch.bool),
                                   model.sample_orders(B, g), 0, num_iter, temperature, g)
         s, d = verify_tokens(model, tokens, its)
+        if grid and b0 == 0:
+            import evaluate
+            images = mar.PixelCodec().decode(model.unpatchify(tokens[:32]).float())
+            evaluate.save_grid(images, [("[ok] " if x["correct"] else "") + m["prompt"] for x, m in zip(d, its)], grid)
         scores += s.tolist()
         details += d
     return np.array(scores), details
@@ -275,6 +287,18 @@ def probe(model, args, out, G=6, seed=0):
     return res
 
 
+def run_summary(metrics_path, block=20):
+    """A GRPO run's figures from its metrics.jsonl: the training reward in blocks of `block` steps,
+    the gradient norm's mean and std/mean over steps, and the KL to the base over the last 10 steps."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    reward = np.array([r["reward_mean"] for r in rows])
+    grad = np.array([r["grad_norm"] for r in rows])
+    return dict(steps=len(rows), reward_blocks=[float(reward[i:i + block].mean()) for i in range(0, len(rows), block)],
+                grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
+                kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
+                step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+
+
 def main(argv=None):
     """`--probe`, `--eval` (returns the figures), or `--train FLAGS`: train.py with this file's reward."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -283,14 +307,29 @@ def main(argv=None):
     p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
     p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
+    p.add_argument("--report", nargs="+", default=None, metavar="RUN", help="run folders: run_summary of each")
+    p.add_argument("--write-prompts", default=None, metavar="FILE", help="write the training-split spatial prompts")
     p.add_argument("--split", default="both", choices=["train", "heldout", "both"], help="--eval: which spatial prompts")
     p.add_argument("--images", type=int, default=2, help="--eval: images per prompt")
+    p.add_argument("--grid", default=None, metavar="PREFIX", help="--eval: save the first 32 images as PREFIX_<split>.png")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--json", default=None, help="also write the result here")
     opts, rest = p.parse_known_args(argv)
+    if opts.report:
+        res = {}
+        for run in opts.report:
+            res[run] = r = run_summary(os.path.join(run, "metrics.jsonl"))
+            print(f"{run}: {r['steps']} steps; training reward in 20-step blocks "
+                  + " ".join(f"{x:.3f}" for x in r["reward_blocks"]) + f"; gradient norm mean {r['grad_norm_mean']:.4f}, "
+                  f"std/mean {r['grad_norm_cv']:.2f}; KL (last 10 steps) {r['kl_last']:.2e}; {r['step_s']:.1f} s/step")
+        return res
+    if opts.write_prompts:
+        with open(opts.write_prompts, "w") as f:
+            f.writelines(m["prompt"] + "\n" for m in spatial_prompts("train"))
+        return None
     if (opts.probe is None) == (opts.eval is None):
-        p.error("give one of --probe CKPT and --eval CKPT")
+        p.error("give one of --probe CKPT, --eval CKPT and --write-prompts FILE")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     args = flags.parse_args(["--preset", "demo"] + rest)
@@ -301,23 +340,26 @@ def main(argv=None):
     if opts.probe:
         res = probe(model, args, say, seed=opts.seed)
     else:
-        res = evaluate_spatial(model, args, opts.split, opts.images, opts.seed, say)
+        res = evaluate_spatial(model, args, opts.split, opts.images, opts.seed, say, opts.grid)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(res, f, indent=1)
     return res
 
 
-def evaluate_spatial(model, args, split, images, seed, out):
+def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
     """Spatial accuracy of `model` on every spatial prompt of the split(s), `images` each, at
     args.temperature; the same seeds for every model. Returns {split: group_signal's dict}."""
     res = {}
     for s in (("train", "heldout") if split == "both" else (split,)):
-        r = group_signal(*sample_groups(model, spatial_prompts(s), images, args.num_iter, args.temperature, seed), images)
+        grid = f"{opts_grid}_{s}.png" if opts_grid else None
+        r = group_signal(*sample_groups(model, spatial_prompts(s), images, args.num_iter, args.temperature, seed,
+                                        grid=grid), images)
         res[s] = r
         out(f"{s}: accuracy {r['accuracy']:.3f} ± {sem(r['accuracy'], r['images']):.3f} ({r['images']} images, τ "
             f"{args.temperature:g}), both objects {r['both']}, relation | both {r['relation_given_both']}/{r['both']} = "
-            f"{r['relation_rate_given_both']:.3f}, reward {r['reward_mean']:.3f}")
+            f"{r['relation_rate_given_both']:.3f}, reward {r['reward_mean']:.3f}; images with an extra object "
+            f"{r['extra']:.3f}, with a wrong count {r['counts_off']:.3f}")
     return res
 
 
