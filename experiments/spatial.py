@@ -6,7 +6,7 @@ signal for RL on spatial prompts, and where in a rollout is the placement decide
     python experiments/spatial.py --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
     python experiments/spatial.py --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
     python experiments/spatial.py --train FLAGS       # train.py with FLAGS and the reward `shapes_relation` registered
-    python experiments/spatial.py --report RUN [RUN ...]   # a run's training reward, gradient norm and KL (metrics.jsonl)
+    python experiments/spatial.py --report RUN [RUN ...] [--plot PNG]   # training reward, gradient norm, KL (metrics.jsonl)
 
 In the demo's world (`--cell 8`: each object fills one 8-px cell of a 2 × 2 grid) a spatial prompt
 "A REL B" is right when A and B are drawn and their cells stand in the relation, e.g. "left of": the
@@ -299,6 +299,34 @@ def run_summary(metrics_path, block=20):
                 step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
 
 
+def plot_runs(runs, path, w=10):
+    """Training reward and gradient norm (trailing means over w steps) of runs, one line each; runs
+    whose folder names differ only in a trailing `_seedN` share a colour and a mean ± std band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = {}
+    for run in runs:
+        rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+        name = os.path.basename(run.rstrip("/"))
+        groups.setdefault(name.rsplit("_seed", 1)[0], []).append(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, members in groups.items():
+        for ax, key in zip(axes, ("reward_mean", "grad_norm")):
+            n = min(len(m) for m in members)
+            y = np.array([np.convolve([r[key] for r in m[:n]], np.ones(w) / w, mode="valid") for m in members])  # (seeds, n−w+1)
+            x = np.arange(w - 1, n)
+            line, = ax.plot(x, y.mean(0), label=f"{name} ({len(members)})")
+            if len(members) > 1:
+                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=line.get_color(), alpha=0.2)
+    axes[0].set(xlabel="GRPO step", ylabel=f"training reward ({w}-step mean)")
+    axes[1].set(xlabel="GRPO step", ylabel=f"gradient norm ({w}-step mean)", yscale="log")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     """`--probe`, `--eval` (returns the figures), or `--train FLAGS`: train.py with this file's reward."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -308,6 +336,7 @@ def main(argv=None):
     p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
     p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
     p.add_argument("--report", nargs="+", default=None, metavar="RUN", help="run folders: run_summary of each")
+    p.add_argument("--plot", default=None, metavar="PNG", help="--report: the runs' reward and gradient-norm curves")
     p.add_argument("--write-prompts", default=None, metavar="FILE", help="write the training-split spatial prompts")
     p.add_argument("--split", default="both", choices=["train", "heldout", "both"], help="--eval: which spatial prompts")
     p.add_argument("--images", type=int, default=2, help="--eval: images per prompt")
@@ -323,6 +352,8 @@ def main(argv=None):
             print(f"{run}: {r['steps']} steps; training reward in 20-step blocks "
                   + " ".join(f"{x:.3f}" for x in r["reward_blocks"]) + f"; gradient norm mean {r['grad_norm_mean']:.4f}, "
                   f"std/mean {r['grad_norm_cv']:.2f}; KL (last 10 steps) {r['kl_last']:.2e}; {r['step_s']:.1f} s/step")
+        if opts.plot:
+            plot_runs(opts.report, opts.plot)
         return res
     if opts.write_prompts:
         with open(opts.write_prompts, "w") as f:
