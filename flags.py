@@ -170,6 +170,8 @@ def build_parser():
     a("--weight-decay", type=NONNEG_FLOAT, default=0.0, help="AdamW weight decay")
     a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
     a("--train-ar-steps", type=POS_INT, default=2, help="AR steps trained per rollout")
+    a("--train-ar-below", type=NONNEG_INT, default=0,
+      help="draw the trained AR steps from the first N only (0 = from all, as released; not in the paper)")
     a("--train-diff-steps", type=POS_INT, default=6, help="diffusion steps trained per AR step")
     a("--min-diff-step", type=POS_INT, default=1, help="lowest diffusion step trained (the last steps' tiny σ dominates a gradient)")
     a("--beta", type=NONNEG_FLOAT, default=None, help="KL weight β (0.01)")

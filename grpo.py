@@ -185,16 +185,19 @@ def ar_step_objective(pi_term, keep, kl, beta):
     return -(p - beta * k), p.detach(), k.detach()
 
 
-def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator):
+def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0):
     """Which AR steps and diffusion steps a rollout records (docs/method.md §3), before it starts.
 
     num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
-    diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them.
+    diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them; below: if > 0,
+    the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not in the paper: the first
+    steps, which place the objects; 0 draws from all N, as released).
     returns (sorted list of AR steps, descending list of diffusion steps); the draws happen on the
     generator's device (a CUDA generator works), and reading them back is one host sync.
     """
     device = generator.device
-    ar = torch.randperm(num_iter, generator=generator, device=device)[:min(num_ar, num_iter)].sort().values
+    pool = min(below, num_iter) if below > 0 else num_iter
+    ar = torch.randperm(pool, generator=generator, device=device)[:min(num_ar, pool)].sort().values
     trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")

@@ -130,3 +130,65 @@ def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
     res = study.noise_probe(model, mar.PixelCodec(), brightness, num_iter=4, cfg=3.0, n_prompts=3, group=2)
     assert res["reward_var_free_order"] > 0
     assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0
+
+
+def test_spatial_group_signal_counts_groups_relations_and_best_of_n():
+    """spatial.group_signal on hand-made verifier results: two groups of G = 3; the relation's rate
+    is over images whose two objects are both drawn; pass@N is the unbiased estimator."""
+    import spatial
+    d = lambda correct, present, relation, extra=0, count=True: {  # noqa: E731
+        "correct": correct, "present": present, "relation": relation, "extra_objects": extra, "count": count}
+    details = [d(True, True, True), d(False, True, False), d(False, False, False, count=False),  # group 0: one correct
+               d(False, True, False), d(False, True, True, extra=1), d(False, False, False, 2)]  # group 1: relation right, extras
+    scores = [1.0, 0.5, 0.2, 0.5, 0.5, 0.5]
+    r = spatial.group_signal(scores, details, 3)
+    assert r["groups"] == 2 and r["accuracy"] == pytest.approx(1 / 6)
+    assert r["extra"] == pytest.approx(2 / 6) and r["counts_off"] == pytest.approx(1 / 6)
+    assert r["groups_any_correct"] == 0.5 and r["groups_any_relation"] == 1.0 and r["groups_reward_varies"] == 0.5
+    assert (r["both"], r["relation_given_both"]) == (4, 2) and r["relation_rate_given_both"] == 0.5
+    assert r["pass_at"] == pytest.approx({1: 1 / 6, 2: (2 / 3) / 2, 3: 0.5})
+    assert spatial.pass_at(6, 0, 3) == 0 and spatial.pass_at(6, 4, 3) == 1 and spatial.pass_at(6, 1, 1) == pytest.approx(1 / 6)
+    assert r["reward_var_within"] == pytest.approx(np.var([1.0, 0.5, 0.2], ddof=1) / 2)
+
+
+def test_spatial_relation_reward_and_layout_on_renders():
+    """spatial.ShapesRelationReward: 1 on a render of a spatial prompt in the demo's cell world, 0 on
+    the same objects mirrored (relation wrong) and on the render with a copy of the subject added
+    (the verifier's relation still holds there), the verifier's score on a non-spatial prompt;
+    cell_layout names each object's cell."""
+    import shapes
+    import spatial
+    import verifier
+    meta = shapes.parse_prompt("a red square left of a green circle")
+    img = shapes.render(meta, size=16, rng=np.random.default_rng(0), cell=8)  # (16, 16, 3) uint8
+    mirrored = img[:, ::-1].copy()
+    assert img[8:, :8].any() and img[8:, 8:].any() and not img[:8].any()  # seed 0: square bottom left, circle bottom right
+    copied = np.zeros_like(img)
+    copied[:8] = img[8:]            # the pair moved to the top row
+    copied[8:, :8] = img[8:, :8]    # and a copy of the square below it: the verifier compares the first of equal copies
+    single = shapes.render(shapes.parse_prompt("a blue square"), size=16, rng=np.random.default_rng(1), cell=8)
+    batch = torch.from_numpy(np.stack([img, mirrored, copied, single])).permute(0, 3, 1, 2).float() / 255
+    texts = ["a red square left of a green circle"] * 3 + ["a blue square"]
+    r, _ = rewards.build_reward("shapes_relation")(batch, texts, None)
+    assert r.tolist() == [1.0, 0.0, 0.0, 1.0]
+    full, details = rewards.build_reward("shapes")(batch, texts, None)
+    assert full.tolist() == [1.0, 0.5, 0.9375, 1.0]  # relation wrong halves the score; a copy costs a sixteenth
+    assert details["details"][2]["relation"] is True and not details["details"][2]["count"]
+    layout = spatial.cell_layout(verifier.verify(img, meta)[1]["detected"])
+    assert len(layout) == 2 and {c[2:] for c in layout} == {("red", "square"), ("green", "circle")}
+    red, green = (next(c for c in layout if c[2] == k) for k in ("red", "green"))
+    assert red[0] == green[0] and red[1] == 0 and green[1] == 1  # the same row, red left
+
+
+def test_train_ar_below_draws_the_trained_ar_steps_from_the_first_ones():
+    """grpo.choose_train_steps(below=n): AR steps from 0 .. n − 1 only; below=0 is the released draw,
+    the same steps as before the option existed."""
+    import diffloss
+    import grpo
+    for seed in range(20):
+        ar, _ = grpo.choose_train_steps(16, 2, diffloss.trainable_steps(16), 6, torch.Generator().manual_seed(seed), below=4)
+        assert len(ar) == 2 and all(0 <= i < 4 for i in ar)
+        released = grpo.choose_train_steps(16, 2, diffloss.trainable_steps(16), 6, torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        assert released[0] == torch.randperm(16, generator=g)[:2].sort().values.tolist()
+    assert grpo.choose_train_steps(16, 6, [1, 2], 1, torch.Generator().manual_seed(0), below=3)[0] == [0, 1, 2]

@@ -165,7 +165,8 @@ def collect(args, ctx, settings, model, codec, prompts, reward_fn, step, shard, 
     items = [it for it in items for _ in range(args.group_size)]  # each prompt's group stays together
     inputs = prompts.condition(items, ctx.device)
     plan_ar, plan_diff = grpo.choose_train_steps(len(model.ar_schedule(args.num_iter, model.seq_len)), args.train_ar_steps,
-                                                 diff_candidates, args.train_diff_steps, ctx.generator(3, step, shard=shard))
+                                                 diff_candidates, args.train_diff_steps, ctx.generator(3, step, shard=shard),
+                                                 args.train_ar_below)
     plan = rollout.RolloutPlan(ar_steps=plan_ar, diff_steps=plan_diff)
     with ctx.autocast():
         tokens, record = rollout.record_rollout(model, inputs, args.num_iter, args.cfg, args.cfg_schedule,

@@ -1,0 +1,399 @@
+"""Spatial relations in the demo world (docs/study.md, "Spatial relations"): is there a learning
+signal for RL on spatial prompts, and where in a rollout is the placement decided?
+
+    python experiments/spatial.py --probe bases/demo.pt --threads 1          # the measurements, at the demo's τ
+    python experiments/spatial.py --probe bases/demo.pt --temperature 0.5    # ... at another τ
+    python experiments/spatial.py --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
+    python experiments/spatial.py --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
+    python experiments/spatial.py --train FLAGS       # train.py with FLAGS and the reward `shapes_relation` registered
+    python experiments/spatial.py --report RUN [RUN ...] [--plot PNG]   # training reward, gradient norm, KL (metrics.jsonl)
+
+In the demo's world (`--cell 8`: each object fills one 8-px cell of a 2 × 2 grid) a spatial prompt
+"A REL B" is right when A and B are drawn and their cells stand in the relation, e.g. "left of": the
+same row, A's cell left of B's (verifier.py; the centroid rule reduces to that on a cell grid). Two
+objects placed in distinct random cells satisfy a given relation in 2 of 12 ordered placements, 1 in 6.
+
+Measurements (`probe`), each on a stated set of spatial prompts and seeds:
+1. The learning signal (`group_signal`): G images per prompt, as a GRPO group sees them. The share
+   of groups with at least one correct image and with at least one image whose relation holds; the
+   share of groups whose reward varies (a group with equal rewards has zero advantage); the mean
+   within-group variance of the reward and of the relation indicator; best-of-N accuracy (pass@N,
+   the unbiased estimator 1 − C(n−c, N) / C(n, N) from the n = G images); and the relation's rate
+   among images whose two objects are both drawn ("relation | both"), against chance 1/6.
+2. Where placement is decided (`decision_probe`): for each image, its rollout's canvas at the start
+   of AR step s is kept (the generation order too) and the rollout is completed K times with fresh
+   head noise from there. Per s: how often a completion has the same layout (which cell holds which
+   colour and shape) as the original image, and how often its relation outcome agrees. Placement is
+   decided by the first s at which completions reproduce the original's layout.
+3. Which diffusion steps decide (`diffusion_flips`): for the tokens written at the first AR steps,
+   the head is run again from the z they were drawn from, with the same noise except at one
+   diffusion step k: how often the token turns from black to coloured or back (the draw that puts
+   an object in a cell or not).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import flags  # noqa: E402
+import mar  # noqa: E402
+import models  # noqa: E402
+import processes  # noqa: E402
+import rewards  # noqa: E402
+import shapes  # noqa: E402
+import train  # noqa: E402
+import verifier  # noqa: E402
+from diffloss import reverse_sample  # noqa: E402
+from prompts import Prompts  # noqa: E402
+
+CHANCE = 2 / 12  # a given relation holds for 2 of the 12 ordered placements of two objects in distinct cells of 2 × 2
+
+
+class ShapesRelationReward(rewards.ShapesReward):
+    """The relation, scored strictly: r = 1 where a spatial prompt's relation holds (verifier.py) with
+    each of its two objects drawn exactly once and nothing else drawn, else 0; the verifier's score
+    for prompts of the other categories. Strict because the verifier's relation compares the largest
+    instances, which duplicates game: trained on the verifier alone, the demo base learnt to fill the
+    grid with copies of the requested objects (docs/study.md, "Spatial relations"). Weighted beside
+    `shapes` it puts more of the reward on placement: `--reward shapes:1,shapes_relation:1`."""
+
+    name = "shapes_relation"
+
+    def score(self, images, prompts, metadata):
+        scores, details = self.verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
+        r = [float(d["relation"] is True and d["count"] and d["extra_objects"] == 0) if d["relation"] is not None
+             else float(s) for s, d in zip(scores, details)]
+        return torch.tensor(r, dtype=torch.float32), {"details": list(details)}
+
+
+rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())  # --reward shapes_relation in `--train` runs
+
+
+def spatial_prompts(split):
+    """Every spatial prompt of a split ("train": 312, "heldout": 216), as shapes metas, in a fixed order."""
+    return [m for m in shapes.all_prompts(split) if m["category"] == "spatial"]
+
+
+def pass_at(n, c, k):
+    """The unbiased pass@k of n samples with c correct: 1 − C(n−c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def outcome(details):
+    """(correct, both objects drawn, relation holds) of one verifier result (verifier.verify)."""
+    return bool(details["correct"]), bool(details["present"]), details["relation"] is True
+
+
+def group_signal(scores, details, G):
+    """The learning signal GRPO sees in groups of G consecutive images.
+
+    scores: (n·G,) rewards; details: n·G verifier results (verifier.verify_batch). Returns a dict of
+    shares over the n groups and rates over the images (module docstring, item 1)."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1, G)  # (n, G)
+    out = np.array([outcome(d) for d in details], dtype=bool).reshape(-1, G, 3)  # (n, G, correct/both/relation)
+    correct, both, relation = out[..., 0], out[..., 1], out[..., 2]
+    n = len(scores)
+    res = dict(groups=n, images=n * G, accuracy=float(correct.mean()), reward_mean=float(scores.mean()),
+               groups_any_correct=float(correct.any(1).mean()), groups_any_relation=float(relation.any(1).mean()),
+               groups_reward_varies=float((scores.std(1) > 0).mean()),
+               reward_var_within=float(scores.var(1, ddof=1).mean()),
+               relation_var_within=float(relation.astype(float).var(1, ddof=1).mean()),
+               extra=float(np.mean([d["extra_objects"] > 0 for d in details])),
+               counts_off=float(np.mean([not d["count"] for d in details])),
+               both=int(both.sum()), relation_given_both=int((relation & both).sum()),
+               relation_rate_given_both=float((relation & both).sum() / max(both.sum(), 1)))
+    c = correct.sum(1)
+    res["pass_at"] = {k: float(np.mean([pass_at(G, int(ci), k) for ci in c])) for k in range(1, G + 1)}
+    return res
+
+
+def cell_layout(found, cell=8):
+    """The layout of detected objects (verifier.detect_objects): a sorted tuple of (row, column,
+    colour, shape), one per object, its cell from its centroid."""
+    return tuple(sorted((int(d["y"] // cell), int(d["x"] // cell), d["color"], d["shape"]) for d in found))
+
+
+@torch.no_grad()
+def continue_rollout(model, cond, tokens, unknown, orders, start, num_iter, temperature, generator, keep=None):
+    """The AR loop of MAR (CFG 1, as the demo samples) from AR step `start`, canvas `tokens` (B, L, C)
+    with `unknown` (B, L) bool positions still to write, generation `orders` (B, L). keep: a list that
+    receives (tokens, unknown) at the start of every step from `start` on. Returns the final tokens."""
+    L = model.seq_len
+    counts = model.ar_schedule(num_iter, L)
+    num_unknown = L - sum(counts[:start])
+    for i in range(start, num_iter):
+        if keep is not None:
+            keep.append((tokens, unknown))
+        z = model.predict_z(tokens, unknown.float(), cond).float()  # (B, L, D)
+        n_next = num_unknown - counts[i]
+        pos = orders[:, n_next:num_unknown]  # (B, m) P_i, the positions written at step i
+        B, m = pos.shape
+        z_head = z.gather(1, pos[..., None].expand(B, m, z.shape[-1])).reshape(B * m, -1)  # (B·m, D)
+        sampled = model.diffloss.sample(z_head, temperature, 1.0, generator).reshape(B, m, -1)  # (B, m, C)
+        tokens = tokens.scatter(1, pos[..., None].expand(B, m, tokens.shape[-1]), sampled.to(tokens.dtype))
+        unknown = unknown.scatter(1, pos, False)
+        num_unknown = n_next
+    return tokens
+
+
+def verify_tokens(model, tokens, metas):
+    """Verifier results of token grids (B, L, C) against metas: (scores (B,), details)."""
+    images = mar.PixelCodec().decode(model.unpatchify(tokens).float())  # (B, 3, H, W) in [0, 1]
+    return verifier.verify_batch(images, metas)
+
+
+@torch.no_grad()
+def sample_groups(model, metas, G, num_iter, temperature, seed, batch=96, grid=None):
+    """G images for each meta (consecutive), at CFG 1. Returns (scores (n·G,), details); grid: a PNG
+    path for the first 32 images with their prompts ([ok] = correct)."""
+    items = [m for m in metas for _ in range(G)]
+    prompts = Prompts("shapes")
+    scores, details = [], []
+    for b0 in range(0, len(items), batch):
+        its = items[b0:b0 + batch]
+        g = torch.Generator().manual_seed(seed * 100003 + b0)
+        cond = model.condition(**prompts.condition(its, "cpu"))
+        B, L = len(its), model.seq_len
+        tokens = continue_rollout(model, cond, torch.zeros(B, L, model.token_embed_dim), torch.ones(B, L, dtype=torch.bool),
+                                  model.sample_orders(B, g), 0, num_iter, temperature, g)
+        s, d = verify_tokens(model, tokens, its)
+        if grid and b0 == 0:
+            import evaluate
+            images = mar.PixelCodec().decode(model.unpatchify(tokens[:32]).float())
+            evaluate.save_grid(images, [("[ok] " if x["correct"] else "") + m["prompt"] for x, m in zip(d, its)], grid)
+        scores += s.tolist()
+        details += d
+    return np.array(scores), details
+
+
+@torch.no_grad()
+def decision_probe(model, metas, num_iter, temperature, seed, branches=6, starts=None):
+    """Module docstring, item 2. metas: the images' prompts (one image each). Returns
+    {"tokens_known": [...], "steps": {s: {"same_layout", "same_relation", "relation_var"}}, "original": {...}}."""
+    prompts = Prompts("shapes")
+    cond = model.condition(**prompts.condition(metas, "cpu"))
+    B, L, C = len(metas), model.seq_len, model.token_embed_dim
+    g = torch.Generator().manual_seed(seed)
+    orders = model.sample_orders(B, g)  # (B, L)
+    states = []
+    final = continue_rollout(model, cond, torch.zeros(B, L, C), torch.ones(B, L, dtype=torch.bool), orders, 0,
+                             num_iter, temperature, g, keep=states)
+    _, det = verify_tokens(model, final, metas)
+    layout0 = [cell_layout(d["detected"]) for d in det]
+    rel0 = np.array([outcome(d)[2] for d in det])
+    counts = model.ar_schedule(num_iter, L)
+    res = {"tokens_known": [int(sum(counts[:s])) for s in range(num_iter + 1)], "steps": {},
+           "original": {"relation": float(rel0.mean()), "both": float(np.mean([outcome(d)[1] for d in det]))}}
+    for s in (starts or range(num_iter)):
+        tokens, unknown = states[s]
+        same_layout, same_rel, rel = [], [], []
+        for _ in range(branches):
+            out = continue_rollout(model, cond, tokens, unknown, orders, s, num_iter, temperature, g)
+            _, d = verify_tokens(model, out, metas)
+            same_layout.append([cell_layout(x["detected"]) == l0 for x, l0 in zip(d, layout0)])
+            r = np.array([outcome(x)[2] for x in d])
+            same_rel.append(r == rel0)
+            rel.append(r)
+        rel = np.array(rel, dtype=float)  # (branches, B)
+        res["steps"][s] = dict(same_layout=float(np.mean(same_layout)), same_relation=float(np.mean(same_rel)),
+                               relation_var=float(rel.var(0, ddof=1).mean()))
+    return res
+
+
+def _coloured(tokens):
+    """(N, C) pixel tokens in [-1, 1] -> (N,) True where some pixel is not black (black is -1)."""
+    return (tokens > -0.5).any(-1)
+
+
+@torch.no_grad()
+def diffusion_flips(model, metas, num_iter, temperature, seed, ar_steps=(0, 1, 2, 3, 4, 5)):
+    """Module docstring, item 3: {k: share of the tokens written at `ar_steps` whose coloured/black
+    state changes when diffusion step k's noise is redrawn}, and "all": when every draw is redrawn."""
+    prompts = Prompts("shapes")
+    cond = model.condition(**prompts.condition(metas, "cpu"))
+    B, L, C = len(metas), model.seq_len, model.token_embed_dim
+    g = torch.Generator().manual_seed(seed)
+    orders = model.sample_orders(B, g)
+    states = []
+    continue_rollout(model, cond, torch.zeros(B, L, C), torch.ones(B, L, dtype=torch.bool), orders, 0,
+                     num_iter, temperature, g, keep=states)
+    counts = model.ar_schedule(num_iter, L)
+    zs = []
+    for i in ar_steps:  # the z each written token was drawn from
+        tokens, unknown = states[i]
+        z = model.predict_z(tokens, unknown.float(), cond).float()  # (B, L, D)
+        n_before = L - sum(counts[:i])
+        pos = orders[:, n_before - counts[i]:n_before]  # (B, m)
+        zs.append(z.gather(1, pos[..., None].expand(*pos.shape, z.shape[-1])).reshape(-1, z.shape[-1]))
+    z = torch.cat(zs)  # (N, D)
+    head, N = model.diffloss, len(z)
+    draw = lambda: torch.randn(N, C, generator=g)  # noqa: E731
+    x_T, noise = draw(), {k: draw() for k in range(1, head.num_sampling_steps)}
+    ref = _coloured(reverse_sample(head, z, C, temperature, 1.0, x_T=x_T, noise=noise))
+    res = {"tokens": N, "coloured": float(ref.float().mean())}
+    for k in sorted(noise, reverse=True):
+        res[k] = float((_coloured(reverse_sample(head, z, C, temperature, 1.0, x_T=x_T, noise={**noise, k: draw()}))
+                        != ref).float().mean())
+    res["x_T"] = float((_coloured(reverse_sample(head, z, C, temperature, 1.0, x_T=draw(), noise=noise)) != ref)
+                       .float().mean())
+    res["all"] = float((_coloured(reverse_sample(head, z, C, temperature, 1.0, x_T=draw(),
+                                                 noise={k: draw() for k in noise})) != ref).float().mean())
+    return res
+
+
+def sem(p, n):
+    """Binomial standard error of a rate p over n."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def probe(model, args, out, G=6, seed=0):
+    """The measurements of the module docstring on `model` at args.temperature; prints and returns them."""
+    T, N = args.temperature, args.num_iter
+    res = {"temperature": T}
+    for split in ("train", "heldout"):
+        r = group_signal(*sample_groups(model, spatial_prompts(split), G, N, T, seed), G)
+        res[split] = r
+        out(f"{split}: {r['groups']} spatial prompts × G = {G} at τ {T:g}: accuracy {r['accuracy']:.3f} "
+            f"± {sem(r['accuracy'], r['images']):.3f}, reward {r['reward_mean']:.3f}")
+        out(f"  groups with a correct image {r['groups_any_correct']:.3f}, with a right relation "
+            f"{r['groups_any_relation']:.3f}, whose reward varies {r['groups_reward_varies']:.3f}; within-group "
+            f"variance: reward {r['reward_var_within']:.4f}, relation {r['relation_var_within']:.4f}")
+        out(f"  relation | both objects drawn: {r['relation_given_both']}/{r['both']} = {r['relation_rate_given_both']:.3f} "
+            f"± {sem(r['relation_rate_given_both'], r['both']):.3f} (chance {CHANCE:.3f}); best-of-N: "
+            + ", ".join(f"N={k} {v:.3f}" for k, v in r["pass_at"].items()))
+    metas = spatial_prompts("train")[::3]  # 104 training-split spatial prompts, one image each
+    d = decision_probe(model, metas, N, T, seed + 1, branches=4, starts=(0, 1, 2, 3, 4, 5, 6, 8, 12))
+    res["decision"] = d
+    out(f"where placement is decided ({len(metas)} training-split spatial images, 4 completions from the canvas at "
+        f"the start of AR step s; originals: both objects {d['original']['both']:.3f}, relation {d['original']['relation']:.3f}):")
+    for s, r in d["steps"].items():
+        out(f"  s={s:2d} ({d['tokens_known'][s]:2d} of 64 tokens known): same layout {r['same_layout']:.3f}, same relation "
+            f"outcome {r['same_relation']:.3f}, relation variance over completions {r['relation_var']:.3f}")
+    f = diffusion_flips(model, metas, N, T, seed + 2)
+    res["flips"] = f
+    out(f"tokens of AR steps 0-5 ({f['tokens']}; {f['coloured']:.2f} coloured) turning coloured <-> black when one "
+        "diffusion step's noise is redrawn: " + " ".join(f"k={k}: {f[k]:.3f}" for k in range(15, 0, -1))
+        + f"; x_T {f['x_T']:.3f}; all {f['all']:.3f}")
+    return res
+
+
+def run_summary(metrics_path, block=20):
+    """A GRPO run's figures from its metrics.jsonl: the training reward in blocks of `block` steps,
+    the gradient norm's mean and std/mean over steps, and the KL to the base over the last 10 steps."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    reward = np.array([r["reward_mean"] for r in rows])
+    grad = np.array([r["grad_norm"] for r in rows])
+    return dict(steps=len(rows), reward_blocks=[float(reward[i:i + block].mean()) for i in range(0, len(rows), block)],
+                grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
+                kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
+                step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+
+
+def plot_runs(runs, path, w=10):
+    """Training reward and gradient norm (trailing means over w steps) of runs, one line each; runs
+    whose folder names differ only in a trailing `_seedN` share a colour and a mean ± std band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = {}
+    for run in runs:
+        rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+        name = os.path.basename(run.rstrip("/"))
+        groups.setdefault(name.rsplit("_seed", 1)[0], []).append(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, members in groups.items():
+        for ax, key in zip(axes, ("reward_mean", "grad_norm")):
+            n = min(len(m) for m in members)
+            y = np.array([np.convolve([r[key] for r in m[:n]], np.ones(w) / w, mode="valid") for m in members])  # (seeds, n−w+1)
+            x = np.arange(w - 1, n)
+            line, = ax.plot(x, y.mean(0), label=f"{name} ({len(members)})")
+            if len(members) > 1:
+                ax.fill_between(x, y.mean(0) - y.std(0), y.mean(0) + y.std(0), color=line.get_color(), alpha=0.2)
+    axes[0].set(xlabel="GRPO step", ylabel=f"training reward ({w}-step mean)")
+    axes[1].set(xlabel="GRPO step", ylabel=f"gradient norm ({w}-step mean)", yscale="log")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    """`--probe`, `--eval` (returns the figures), or `--train FLAGS`: train.py with this file's reward."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--train"]:
+        return train.cli(argv[1:])
+    p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
+    p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
+    p.add_argument("--report", nargs="+", default=None, metavar="RUN", help="run folders: run_summary of each")
+    p.add_argument("--plot", default=None, metavar="PNG", help="--report: the runs' reward and gradient-norm curves")
+    p.add_argument("--write-prompts", default=None, metavar="FILE", help="write the training-split spatial prompts")
+    p.add_argument("--split", default="both", choices=["train", "heldout", "both"], help="--eval: which spatial prompts")
+    p.add_argument("--images", type=int, default=2, help="--eval: images per prompt")
+    p.add_argument("--grid", default=None, metavar="PREFIX", help="--eval: save the first 32 images as PREFIX_<split>.png")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--json", default=None, help="also write the result here")
+    opts, rest = p.parse_known_args(argv)
+    if opts.report:
+        res = {}
+        for run in opts.report:
+            res[run] = r = run_summary(os.path.join(run, "metrics.jsonl"))
+            print(f"{run}: {r['steps']} steps; training reward in 20-step blocks "
+                  + " ".join(f"{x:.3f}" for x in r["reward_blocks"]) + f"; gradient norm mean {r['grad_norm_mean']:.4f}, "
+                  f"std/mean {r['grad_norm_cv']:.2f}; KL (last 10 steps) {r['kl_last']:.2e}; {r['step_s']:.1f} s/step")
+        if opts.plot:
+            plot_runs(opts.report, opts.plot)
+        return res
+    if opts.write_prompts:
+        with open(opts.write_prompts, "w") as f:
+            f.writelines(m["prompt"] + "\n" for m in spatial_prompts("train"))
+        return None
+    if (opts.probe is None) == (opts.eval is None):
+        p.error("give one of --probe CKPT, --eval CKPT and --write-prompts FILE")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    args = flags.parse_args(["--preset", "demo"] + rest)
+    if args.cfg != 1.0:
+        raise ValueError("--cfg: these probes sample without guidance (CFG 1), as the demo does")
+    model = models.load_policy(args, opts.probe or opts.eval, "--probe" if opts.probe else "--eval")
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    if opts.probe:
+        res = probe(model, args, say, seed=opts.seed)
+    else:
+        res = evaluate_spatial(model, args, opts.split, opts.images, opts.seed, say, opts.grid)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
+    """Spatial accuracy of `model` on every spatial prompt of the split(s), `images` each, at
+    args.temperature; the same seeds for every model. Returns {split: group_signal's dict}."""
+    res = {}
+    for s in (("train", "heldout") if split == "both" else (split,)):
+        grid = f"{opts_grid}_{s}.png" if opts_grid else None
+        r = group_signal(*sample_groups(model, spatial_prompts(s), images, args.num_iter, args.temperature, seed,
+                                        grid=grid), images)
+        res[s] = r
+        out(f"{s}: accuracy {r['accuracy']:.3f} ± {sem(r['accuracy'], r['images']):.3f} ({r['images']} images, τ "
+            f"{args.temperature:g}), both objects {r['both']}, relation | both {r['relation_given_both']}/{r['both']} = "
+            f"{r['relation_rate_given_both']:.3f}, reward {r['reward_mean']:.3f}; images with an extra object "
+            f"{r['extra']:.3f}, with a wrong count {r['counts_off']:.3f}")
+    return res
+
+
+if __name__ == "__main__":  # `--train` returns train.py's exit status; the rest fail in one line (processes.cli)
+    argv = sys.argv[1:]
+    sys.exit(main(argv) if argv[:1] == ["--train"] else processes.cli(main, argv))
