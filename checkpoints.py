@@ -22,6 +22,8 @@ import zipfile
 
 import torch
 
+import fsdp
+
 
 def read_checkpoint(path, flag="--init", mmap=False):
     """torch.load(weights_only=True) on the CPU, with `argparse.Namespace` allowed (official MAR
@@ -259,7 +261,8 @@ def newest_training_state(ckpt_dir, warn, mmap=False):
 
 def resume_training(ckpt_dir, model, opt, base, required, warn):
     """Load the newest readable checkpoint of ckpt_dir (the trained parameters, over `base`, the
-    absolute path of this run's --init) into model and optimizer. Every step's randomness derives
+    absolute path of this run's --init) into model and optimizer (sharded or not: fsdp.load_state;
+    every rank calls it). Every step's randomness derives
     from (seed, step, rank), so the step is the only sampler state needed to continue identically.
     Returns (step, non-finite steps so far); (0, 0) if there is none and not `required`."""
     found = newest_training_state(ckpt_dir, warn)
@@ -274,10 +277,9 @@ def resume_training(ckpt_dir, model, opt, base, required, warn):
     problems = state_dict_mismatch(trained, state["model"])
     if problems:
         raise ValueError(f"--resume {path}: checkpoint does not fit this run's trained parameters "
-                         f"(another --method or --train-head?): {problems}")
-    model.load_state_dict(state["model"], strict=False)
-    try:
-        opt.load_state_dict(state["optimizer"])
+                         f"(another --method, --train-head or --lora?): {problems}")
+    try:  # whole tensors, sharded again where the run shards them (--fsdp)
+        fsdp.load_state(model, opt, state["model"], state["optimizer"])
     except ValueError as e:
         raise ValueError(f"--resume {path}: its optimizer state does not fit this run's trained parameters "
                          f"(another --method or --train-head?): {e}") from None

@@ -118,6 +118,9 @@ def load_policy(args, path, flag="--init"):
     of diffusion steps."""
     T = args.num_sampling_steps
     ours = _ours(path, flag)
+    if ours is not None and ours.get("lora"):  # adapters: train.py reads them (lora.policy), samplers a merge
+        raise ValueError(f"{flag} {path}: holds LoRA adapters over {ours.get('base')}; merge them into a whole "
+                         f"checkpoint first: python lora.py merge {path} OUT.pt")
     if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters only
         base = ours["base"]
         if not os.path.exists(base):
