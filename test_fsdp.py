@@ -102,3 +102,40 @@ def test_a_sharded_update_of_harmon_and_nova_is_the_unsharded_one(tmp_path):
         assert moved > 0.5 * LR  # the update is real: Adam moves elements by up to lr
         for k, v in trained.items():  # float rounding of the reduction moves near-zero-gradient elements by < lr/100
             torch.testing.assert_close(sharded["trained"][k], v, rtol=0, atol=LR / 100, msg=k)
+
+
+# -----------------------------------------------------------------------------
+# The memory table (`python bench.py --memory PRESET`, memory.py): its counted cells and its model
+
+def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
+    import json
+
+    import bench
+    import lora
+    import memory
+    import test_harmon
+    (tmp_path / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
+    res = bench.main(["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(tmp_path / "h.json"),
+                      "--memory-tokens", "4,9", "--memory-images", "2", "--lora", "3", "--world", "4"])["memory"]
+    model = test_harmon.tiny_harmon(seed=0)
+    args = SimpleNamespace(model="harmon")
+    trained = sum(p.numel() for n, p in model.named_parameters() if n in models.trainable_names(args, model, False, True))
+    everything = sum(p.numel() for p in model.parameters())
+    adapters = sum(p.numel() for p in lora.policy(model, lora.spec(model, 3)).parameters() if p.requires_grad)
+    n, t = res["counts"], res["table"]
+    assert (n["all"], n["trained"], n["lora"], n["tokens"]) == (everything, trained, adapters, 9)
+    cell = lambda row, col: t[row][col][0] / 4  # noqa: E731  (numbers of fp32 values)
+    assert [cell("DDP", c) for c in ("weights", "gradients", "AdamW", "reference")] == [everything, trained, 2 * trained, trained]
+    assert [cell("FSDP over 4", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
+        [everything - trained * 3 / 4, trained / 4, trained / 2, trained]
+    assert [cell("LoRA rank 3", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
+        [everything + adapters, adapters, 2 * adapters, 0]
+    assert cell("DDP", "VAE + reward") == 66_456_019  # the KL-16 VAE's official parameters; the JPEG reward has none
+    for row in t.values():  # G = 2 images, 9 tokens: measured at the preset; the record of 2 trained AR steps is whole
+        assert [row[c][1] for c in ("weights", "record + MTE", "rollout peak")] == ["c", "m", "m"]
+        static = sum(v for c, (v, _) in row.items() if c not in ("rollout peak", "AR step peak", "total"))
+        assert row["total"][0] == static + max(row["rollout peak"][0], row["AR step peak"][0])
+    assert t["DDP"]["AR step peak"][1] == "m" and t["FSDP over 4"]["AR step peak"][1] == "~"
+    # the model: a line through two token counts, scaled to the preset's images
+    assert memory.at_preset({(64, 1): 10.0, (256, 1): 40.0}, 1024, 4) == ((10 + 30 / 192 * 960) * 4, "~")
+    assert memory.at_preset({(64, 4): 10.0, (256, 4): 40.0}, 256, 4) == (40.0, "m")
