@@ -42,7 +42,8 @@ def read_checkpoint(path, flag="--init", mmap=False):
 def read_state_dict(path, flag=None, unwrap=("state_dict",)):
     """The tensors of a weights file or folder, on the CPU: a folder of `.safetensors` files (a
     sharded Hugging Face checkpoint), a safetensors file, a TorchScript archive (OpenAI CLIP), or a
-    torch file read as `read_checkpoint` does, whose dict may wrap the state dict under a key of
+    torch file read as `read_checkpoint` does (memory-mapped when it is a zip archive, as torch.save
+    writes since 1.6), whose dict may wrap the state dict under a key of
     `unwrap`; a DDP `module.` prefix is stripped, non-tensor entries dropped. A missing or unreadable
     file is one line naming `flag` (or the file alone when flag is None)."""
     where = f"{flag} {path}" if flag else str(path)
@@ -66,8 +67,9 @@ def read_state_dict(path, flag=None, unwrap=("state_dict",)):
                     warnings.simplefilter("ignore")
                     obj = torch.jit.load(file, map_location="cpu").state_dict()
             else:
-                with torch.serialization.safe_globals([argparse.Namespace]):
-                    obj = torch.load(file, map_location="cpu", weights_only=True)
+                with torch.serialization.safe_globals([argparse.Namespace]):  # mapped, not read: loading a
+                    # model's weights into it then needs their bytes once, not twice (the file's pages are cache)
+                    obj = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
         except Exception as e:  # absent, truncated, or not a weights file
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ValueError(f"{where}: cannot read weights from {file} ({type(e).__name__}: {reason})") from None
