@@ -241,9 +241,9 @@ def check_inputs(args, world):
         raise ValueError("--fsdp: shards over the processes of torchrun; with one there is nothing to shard "
                          "(torchrun --nproc_per_node=N train.py ..., N >= 2)")
     if args.fsdp and (settings.train_head or args.lora):
-        raise ValueError("--fsdp: shards the transformer's trained weights; "
-                         + ("a trained head is not sharded (drop --train-head yes / --method grpo, or --fsdp)"
-                            if settings.train_head else "--lora trains adapters of a few MB: use --lora without --fsdp"))
+        why = ("a trained head is not sharded (drop --train-head yes / --method grpo, or --fsdp)" if settings.train_head
+               else "--lora trains its adapters alone, too small to shard: use --lora without --fsdp")
+        raise ValueError(f"--fsdp: shards the transformer's trained weights; {why}")
     if args.prompts_per_step % (world * args.grad_accum):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} × "
                          f"--grad-accum {args.grad_accum} (each prompt's group is generated in one micro-batch)")

@@ -22,7 +22,8 @@ What is sharded, and why:
    calls it, rank 0 keeps them, one tensor at a time), `load_state` shards them again, so a run
    resumes with or without --fsdp.
 Not sharded here: a trained head (--train-head yes; its calls run outside the registered methods)
-and LoRA adapters (a few MB: nothing to gain); flags.check_inputs refuses both with --fsdp.
+and LoRA adapters (bench.py --memory counts them: a small fraction of the model, and the frozen
+weights they sit on stay whole anyway); flags.check_inputs refuses both with --fsdp.
 """
 
 import re

@@ -9,7 +9,8 @@ How `bench_memory` gets each figure (every figure of its table is marked c, m or
      weights and gradients; AdamW keeps two fp32 moments, 8 bytes).
   m  measured: the peak resident memory of this process (Linux VmHWM, reset before each stage; glibc
      told to return every freed block over 64 KiB) above what it held before the stage, on the CPU in
-     fp32 with random weights, at the preset's sizes.
+     fp32 with random weights, at the preset's sizes; the record and MTE's trajectories that the
+     rollout leaves for the update: the bytes of their tensors.
   ~  modelled from measured figures: the activations measured at two image sizes (--memory-tokens)
      and g images (--memory-images), fitted linearly in the tokens (the CPU attention saves no
      tokens × tokens tensor) and scaled × G / g; or the same figure of another policy.
@@ -193,8 +194,8 @@ def frozen_extras(args):
 
 
 class PeakRSS:
-    """`with PeakRSS() as m:` m.peak, m.after: the peak and the final resident memory of this process
-    above its resident memory at entry, in bytes (Linux: VmHWM reset through /proc/self/clear_refs)."""
+    """`with PeakRSS() as m:` m.peak: the peak resident memory of this process above its resident
+    memory at entry, in bytes (Linux: VmHWM, reset through /proc/self/clear_refs)."""
 
     @staticmethod
     def status(key):
@@ -208,7 +209,7 @@ class PeakRSS:
         return self
 
     def __exit__(self, *exc):
-        self.peak, self.after = self.status("VmHWM") - self.start, self.status("VmRSS") - self.start
+        self.peak = self.status("VmHWM") - self.start
 
 
 def return_freed_memory():
@@ -235,8 +236,9 @@ def condition_inputs(args, model, G):
 def measure(args, side, G, kind, rank):
     """Peak activations of the preset's step on a side × side grid with G images, policy `kind` ("full":
     the method's trained set, "lora": adapters of rank R): dict(rollout: peak of the rollout and MTE,
-    held: what they leave (record, MTE trajectories), step: the larger peak of the two trained AR
-    steps' forward and backward, record_step: bytes of the first step's record), bytes."""
+    held: the bytes of what they leave for the update (the record, MTE's trajectories and mask),
+    step: the larger peak of the two trained AR steps' forward and backward, record_step: bytes of
+    the first step's record), in bytes."""
     torch.manual_seed(0)
     base = build(args, side).eval().requires_grad_(False)
     inputs = condition_inputs(args, base, G)
@@ -262,7 +264,8 @@ def measure(args, side, G, kind, rank):
             (loss / 2).backward()
             del loss
         steps.append(step.peak)
-    return dict(rollout=collect.peak, held=collect.after, step=max(steps), record_step=nbytes(record.steps[0]))
+    held = nbytes(dict(record=record, seeds=seeds, uncertain=uncertain))  # the tensors' bytes: exact, where RSS is noisy
+    return dict(rollout=collect.peak, held=held, step=max(steps), record_step=nbytes(record.steps[0]))
 
 
 def squares(text):
