@@ -88,16 +88,15 @@ def merged_state_dict(model):
     """The state dict of `model` with its adapters merged: W + (α / R) B A for every wrapped
     projection, under the base's own key names (`.base_layer` dropped, no `lora_` keys). The
     model is not changed."""
-    sd = model.state_dict()
     merged = {}
-    for key, value in sd.items():
+    for key, value in model.state_dict().items():
         if ".lora_" in key:
             continue
-        merged[key.replace(".base_layer.", ".")] = value
-        if key.endswith(".base_layer.weight"):
-            layer = model.get_submodule(key[:-len(".base_layer.weight")])
+        if key.endswith(".base_layer.weight"):  # a wrapped projection's W (out, in)
+            layer = model.get_submodule(key.removesuffix(".base_layer.weight"))
             A, B = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (R, in), (out, R)
-            merged[key.replace(".base_layer.", ".")] = value + layer.scaling[ADAPTER] * (B @ A)  # (out, in)
+            value = value + layer.scaling[ADAPTER] * (B @ A)  # (out, in)
+        merged[key.replace(".base_layer.", ".")] = value
     return merged
 
 
@@ -111,9 +110,8 @@ def merge(path, out, flag="lora.py merge"):
     checkpoints.check_writable(os.path.dirname(os.path.abspath(out)), f"{flag} OUT")
     model = policy(models.load_policy(argparse.Namespace(**ckpt["args"]), ckpt["base"], flag), ckpt["lora"])
     models.load_trained(model, ckpt["model"], path, flag)
-    with checkpoints.writing(out):
-        checkpoints.atomic_save({"model": merged_state_dict(model), "config": model.config, "stage": "merged",
-                                 "merged_from": os.path.abspath(path)}, out)
+    checkpoints.atomic_save({"model": merged_state_dict(model), "config": model.config, "stage": "merged",
+                             "merged_from": os.path.abspath(path)}, out)
     return out
 
 

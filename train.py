@@ -203,7 +203,8 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
     optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
     """
     ref = base  # the frozen reference of the KL (under --lora: the policy with its adapters off, lora.py item 4)
-    model = lora.policy(base, lora.spec(base, args.lora), args.seed) if args.lora else models.make_policy(args, base, settings)
+    model = (lora.policy(base, lora.spec(base, args.lora), args.seed) if args.lora  # the adapters alone train
+             else models.make_policy(args, base, settings))
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
     if args.fsdp:  # the trained parameters, gradients and optimizer state sharded over the processes
         fsdp.shard(model, ctx.world, ctx.device)
