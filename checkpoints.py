@@ -22,6 +22,8 @@ import zipfile
 
 import torch
 
+import fsdp
+
 
 def read_checkpoint(path, flag="--init", mmap=False):
     """torch.load(weights_only=True) on the CPU, with `argparse.Namespace` allowed (official MAR
@@ -40,7 +42,8 @@ def read_checkpoint(path, flag="--init", mmap=False):
 def read_state_dict(path, flag=None, unwrap=("state_dict",)):
     """The tensors of a weights file or folder, on the CPU: a folder of `.safetensors` files (a
     sharded Hugging Face checkpoint), a safetensors file, a TorchScript archive (OpenAI CLIP), or a
-    torch file read as `read_checkpoint` does, whose dict may wrap the state dict under a key of
+    torch file read as `read_checkpoint` does (memory-mapped when it is a zip archive, as torch.save
+    writes since 1.6), whose dict may wrap the state dict under a key of
     `unwrap`; a DDP `module.` prefix is stripped, non-tensor entries dropped. A missing or unreadable
     file is one line naming `flag` (or the file alone when flag is None)."""
     where = f"{flag} {path}" if flag else str(path)
@@ -64,8 +67,9 @@ def read_state_dict(path, flag=None, unwrap=("state_dict",)):
                     warnings.simplefilter("ignore")
                     obj = torch.jit.load(file, map_location="cpu").state_dict()
             else:
-                with torch.serialization.safe_globals([argparse.Namespace]):
-                    obj = torch.load(file, map_location="cpu", weights_only=True)
+                with torch.serialization.safe_globals([argparse.Namespace]):  # mapped, not read: loading a
+                    # model's weights into it then needs their bytes once, not twice (the file's pages are cache)
+                    obj = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
         except Exception as e:  # absent, truncated, or not a weights file
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise ValueError(f"{where}: cannot read weights from {file} ({type(e).__name__}: {reason})") from None
@@ -259,7 +263,8 @@ def newest_training_state(ckpt_dir, warn, mmap=False):
 
 def resume_training(ckpt_dir, model, opt, base, required, warn):
     """Load the newest readable checkpoint of ckpt_dir (the trained parameters, over `base`, the
-    absolute path of this run's --init) into model and optimizer. Every step's randomness derives
+    absolute path of this run's --init) into model and optimizer (sharded or not: fsdp.load_state;
+    every rank calls it). Every step's randomness derives
     from (seed, step, rank), so the step is the only sampler state needed to continue identically.
     Returns (step, non-finite steps so far); (0, 0) if there is none and not `required`."""
     found = newest_training_state(ckpt_dir, warn)
@@ -274,10 +279,9 @@ def resume_training(ckpt_dir, model, opt, base, required, warn):
     problems = state_dict_mismatch(trained, state["model"])
     if problems:
         raise ValueError(f"--resume {path}: checkpoint does not fit this run's trained parameters "
-                         f"(another --method or --train-head?): {problems}")
-    model.load_state_dict(state["model"], strict=False)
-    try:
-        opt.load_state_dict(state["optimizer"])
+                         f"(another --method, --train-head or --lora?): {problems}")
+    try:  # whole tensors, sharded again where the run shards them (--fsdp)
+        fsdp.load_state(model, opt, state["model"], state["optimizer"])
     except ValueError as e:
         raise ValueError(f"--resume {path}: its optimizer state does not fit this run's trained parameters "
                          f"(another --method or --train-head?): {e}") from None

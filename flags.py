@@ -187,6 +187,12 @@ def build_parser():
     a("--consistency-threshold", "--tau", dest="tau", type=optional_tau, default=None,
       help="consistency-aware token selection: keep tokens whose Δsim exceeds this (0), or 'off' (masks.py)")
     a("--train-head", default=None, choices=["yes", "no"], help="train the diffusion head")
+    # models that do not fit as DDP replicas (docs/memory.md)
+    a("--lora", type=POS_INT, default=None, help="train LoRA adapters of rank R on the transformer's attention and MLP "
+                                                "projections instead of its weights; the KL reference is the model "
+                                                "without them (lora.py)")
+    a("--fsdp", action="store_true", help="shard the trained parameters, their gradients and AdamW state over the "
+                                          "torchrun processes (FSDP2, fsdp.py)")
     # rewards and prompts
     a("--reward", default="shapes", help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5")
     a("--reward-ckpt", action="append", default=[], help="reward weights KEY=PATH (repeatable)")
@@ -242,6 +248,20 @@ def check_inputs(args, world):
     settings = grpo_settings(args)
     if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own trainable steps are checked in grpo_train
         raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below T − 1 = {args.num_sampling_steps - 1}")
+    for flag, given in (("--lora", args.lora), ("--fsdp", args.fsdp)):
+        if given and (args.eval_only or args.stage == "pretrain"):
+            raise ValueError(f"{flag}: changes how GRPO trains; {'--eval-only' if args.eval_only else '--stage pretrain'} "
+                             "trains no GRPO policy")
+    if args.lora and settings.train_head:
+        raise ValueError(f"--lora {args.lora}: the diffusion head stays frozen under LoRA (drop --train-head yes; "
+                         "--method grpo trains the head)")
+    if args.fsdp and world < 2:
+        raise ValueError("--fsdp: shards over the processes of torchrun; with one there is nothing to shard "
+                         "(torchrun --nproc_per_node=N train.py ..., N >= 2)")
+    if args.fsdp and (settings.train_head or args.lora):
+        why = ("a trained head is not sharded (drop --train-head yes / --method grpo, or --fsdp)" if settings.train_head
+               else "--lora trains its adapters alone, too small to shard: use --lora without --fsdp")
+        raise ValueError(f"--fsdp: shards the transformer's trained weights; {why}")
     if args.prompts_per_step % (world * args.grad_accum):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world size {world} × "
                          f"--grad-accum {args.grad_accum} (each prompt's group is generated in one micro-batch)")

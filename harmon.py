@@ -93,6 +93,11 @@ class Harmon(nn.Module):
     vae_scale: the latent scale (used by the codec); image_shape: the sampling grid (h, w) of
     tokens, default the MAR's native grid img_size / vae_stride / patch_size.
     """
+    # the trained transformer's blocks (fsdp.py shards each) and the projections in them that take
+    # LoRA adapters with --lora (lora.py): the MAR's, as in mar.MAR; the LLM stays frozen, as the
+    # released trainer keeps it (models.trainable_names)
+    BLOCKS = r"mar\.(encoder|decoder)_blocks\.\d+"
+    LORA_TARGETS = BLOCKS + r"\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
 
     def __init__(self, llm, mar, vae_scale=0.2325, image_shape=None):
         super().__init__()

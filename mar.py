@@ -61,6 +61,9 @@ class MAR(nn.Module):
         text_vocab_size: if > 0, a word-embedding table for prompt conditioning (`text_emb`);
         clip_denoised: the head clamps x̂0 to [-1, 1] when sampling (pixel tokens; diffloss.py).
     """
+    # the trained blocks (fsdp.py shards each) and their projections that take --lora adapters (lora.py)
+    BLOCKS = r"(encoder|decoder)_blocks\.\d+"
+    LORA_TARGETS = BLOCKS + r"\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
 
     def __init__(self, img_size=256, vae_stride=16, patch_size=1,
                  encoder_embed_dim=1024, encoder_depth=16, encoder_num_heads=16,
@@ -354,21 +357,18 @@ class MAR(nn.Module):
 
 
 def mar_base(**kwargs):
-    return MAR(encoder_embed_dim=768, encoder_depth=12, encoder_num_heads=12,
-               decoder_embed_dim=768, decoder_depth=12, decoder_num_heads=12,
-               mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
+    return MAR(encoder_embed_dim=768, encoder_depth=12, encoder_num_heads=12, decoder_embed_dim=768, decoder_depth=12,
+               decoder_num_heads=12, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
 
 
 def mar_large(**kwargs):
-    return MAR(encoder_embed_dim=1024, encoder_depth=16, encoder_num_heads=16,
-               decoder_embed_dim=1024, decoder_depth=16, decoder_num_heads=16,
-               mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
+    return MAR(encoder_embed_dim=1024, encoder_depth=16, encoder_num_heads=16, decoder_embed_dim=1024, decoder_depth=16,
+               decoder_num_heads=16, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
 
 
 def mar_huge(**kwargs):
-    return MAR(encoder_embed_dim=1280, encoder_depth=20, encoder_num_heads=16,
-               decoder_embed_dim=1280, decoder_depth=20, decoder_num_heads=16,
-               mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
+    return MAR(encoder_embed_dim=1280, encoder_depth=20, encoder_num_heads=16, decoder_embed_dim=1280, decoder_depth=20,
+               decoder_num_heads=16, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
 
 
 # the official training scripts pass these head sizes with each model (main_mar.py flags)

@@ -20,7 +20,9 @@ released trainers run under DeepSpeed, which does not, so they list them without
   `video_encoder.patch_embed` (the text-to-image video encoder sees one bos frame, never patches).
 The policy shares every frozen parameter with the reference it was copied from (`policy_copy`), so
 a frozen LLM is held once, and a GRPO checkpoint holds the trained parameters only, over its base
-(`load_policy` reads both).
+(`load_policy` reads both). With --lora, LoRA adapters train instead (lora.py builds that policy and
+merges a checkpoint of adapters into a whole one, which `load_policy` reads; given the adapters
+themselves, it names that command).
 """
 
 import copy
@@ -118,6 +120,9 @@ def load_policy(args, path, flag="--init"):
     of diffusion steps."""
     T = args.num_sampling_steps
     ours = _ours(path, flag)
+    if ours is not None and ours.get("lora"):  # adapters: train.py reads them (lora.policy), samplers a merge
+        raise ValueError(f"{flag} {path}: holds LoRA adapters over {ours.get('base')}; merge them into a whole "
+                         f"checkpoint first: python lora.py merge {path} OUT.pt")
     if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters only
         base = ours["base"]
         if not os.path.exists(base):

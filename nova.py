@@ -193,6 +193,11 @@ class NOVA(nn.Module):
     arch_defs: extra registry entries {name: {kind, depth, embed_dim[, num_heads]}};
     scheduler: a diffusers scheduler config dict (selects the head, nova_heads.py);
     num_sampling_steps: T of the head (NOVA's `num_diffusion_steps`, 25 by default)."""
+    # the trained transformer's blocks (fsdp.py shards each) and the projections in them that take
+    # LoRA adapters with --lora (lora.py): the video and image encoders' attention qkv / proj and
+    # MLP fc1 / fc2; the diffusion MLP `image_decoder` is the head and stays frozen
+    BLOCKS = r"(video|image)_encoder\.blocks\.\d+"
+    LORA_TARGETS = BLOCKS + r"\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
 
     def __init__(self, image_dim, image_size, image_stride, text_token_dim, text_token_len, image_base_size,
                  video_base_size, arch, scheduler, num_sampling_steps=25, arch_defs=None, rotary_pos_embed=False,

@@ -117,6 +117,12 @@ BAD_INPUT = {
     "width the heads do not divide": ("--embed-dim 33 --heads 2", ["--embed-dim 33", "--heads 2"]),
     "weights for a reward not in use": (G + " --reward-ckpt hpsv2={b}", ["--reward-ckpt", "hpsv2", "uses no hpsv2"]),
     "--resume with unreadable checkpoints, before pretraining": ("--resume --out {t}/junk_run", ["--resume", "can be read"]),
+    # models that do not fit: LoRA and FSDP (docs/memory.md)
+    "LoRA of rank 0": ("--lora 0", ["--lora", "0"]),
+    "LoRA with a trained head": (G + " --lora 4 --method grpo", ["--lora 4", "head stays frozen"]),
+    "LoRA without training": ("--eval-only --init {b} --lora 4", ["--lora", "--eval-only"]),
+    "FSDP in one process": (G + " --fsdp", ["--fsdp", "torchrun"]),
+    "LoRA adapters as --init": ("--stage grpo --init {t}/adapters.pt", ["--init", "adapters.pt", "python lora.py merge"]),
 }
 
 
@@ -133,6 +139,8 @@ def make_bad_files(tmp, base):
     (tmp / "vae.ckpt").write_bytes(b"")
     (tmp / "junk_run" / "ckpt").mkdir(parents=True)  # a run folder whose only checkpoint is unreadable
     (tmp / "junk_run" / "ckpt" / "step_000003.pt").write_bytes(b"\x00junk")
+    torch.save({"model": {}, "base": str(base), "config": {}, "lora": dict(rank=2, alpha=2.0, targets="x")},
+               tmp / "adapters.pt")  # a checkpoint of train.py --lora: adapters over a base
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))

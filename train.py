@@ -6,6 +6,7 @@
     torchrun --nproc_per_node=8 train.py --preset mar_base --init mar_base.pth --vae kl16.ckpt \\
         --reward hpsv2 --reward-ckpt hpsv2=HPS_v2.1_compressed.pt
     python train.py --eval-only --init CKPT --prompts FILE --out DIR
+    torchrun ... train.py --lora R | --fsdp  # models that do not fit as DDP replicas (lora.py, fsdp.py)
 
 Stages: `--stage pretrain` (a base MAR on the shapes world), `--stage grpo` (RL from `--init`),
 `--stage all` (default: pretrain unless `--init` or a cached base exists, GRPO, then evaluation of
@@ -40,7 +41,9 @@ from tqdm import tqdm
 
 import checkpoints
 import evaluate
+import fsdp
 import grpo
+import lora
 import mar
 import masks
 import models
@@ -202,16 +205,20 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
     A step whose reward, advantage, loss or gradient is not finite on some rank changes nothing (no
     optimizer step on any rank); --max-bad-steps of them in a row stop the run (Stop).
     """
-    ref = base  # the frozen reference of the KL
-    model = models.make_policy(args, base, settings)
+    ref = base  # the frozen reference of the KL (under --lora: the policy with its adapters off, lora.py item 4)
+    model = (lora.policy(base, lora.spec(base, args.lora), args.seed) if args.lora  # the adapters alone train
+             else models.make_policy(args, base, settings))
     model.eval()  # no dropout: recomputed log-probabilities must equal the recorded ones
+    if args.fsdp:  # the trained parameters, gradients and optimizer state sharded over the processes
+        fsdp.shard(model, ctx.world, ctx.device)
     params = [p for p in model.parameters() if p.requires_grad]
     diff_candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]  # what a rollout may record
     if not diff_candidates:
         raise ValueError(f"--min-diff-step {args.min_diff_step}: the head trains steps {list(model.diffloss.trainable_steps())}")
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     loss_module = policy.PolicyLoss(model)
-    if ctx.ddp:
+    ddp = ctx.ddp and not args.fsdp  # FSDP reduces the gradients itself (fsdp.py, item 4)
+    if ddp:
         loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
     ckpt_dir, metrics_path = os.path.join(args.out, "ckpt"), os.path.join(args.out, "metrics.jsonl")
@@ -227,7 +234,9 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
     ctx.barrier()
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
                f"world size {ctx.world}" + (f" × {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
-               + f"; {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters; {settings}")
+               + f"; {sum(p.numel() for p in params) / 1e6:.3g}M trained parameters"
+               + (f" (LoRA adapters of rank {args.lora})" if args.lora else "")
+               + (f", sharded over the {ctx.world} processes" if args.fsdp else "") + f"; {settings}")
 
     A, G = args.grad_accum, args.group_size
     bad_steps, parity_warned = 0, False  # non-finite steps in a row
@@ -244,11 +253,11 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
         for epoch in range(settings.inner_epochs):
             step_stats = []
             for m, b in enumerate(batches):
-                stats, b["olds"] = policy.backward_rollout(loss_module, ctx.ddp, ref, b["record"], b["inputs"], b["adv"], settings,
+                stats, b["olds"] = policy.backward_rollout(loss_module, ddp, ref, b["record"], b["inputs"], b["adv"], settings,
                                                            b["seeds"], b["uncertain"], b["olds"], ctx.autocast,
                                                            scale=1 / A, sync=m == A - 1)
                 step_stats += stats
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = fsdp.whole(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             if all_finite(ctx, [b["scores"] for b in batches], [b["adv"] for b in batches],
                           [s["loss"] for s in step_stats], grad_norm):
                 opt.step()
@@ -296,18 +305,20 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
                 raise Stop(f"{bad_steps} non-finite steps in a row (--max-bad-steps {args.max_bad_steps}); "
                            f"the last good checkpoint: {last}")
 
-        # --- once in a while: a sample grid, a checkpoint (the trained parameters, over base_path)
+        # --- once in a while: a sample grid, a checkpoint (the trained parameters, over base_path; whole
+        #     tensors, which every rank gathers under --fsdp)
         if ctx.master and (step % args.sample_every == 0 or last_step):
             grid = os.path.join(args.out, "samples", f"step_{step:06d}.png")
             with checkpoints.writing(grid):
                 evaluate.save_grid(images[:16], [f"{t} ({s:.2f})" for t, s in zip(texts, scores.tolist())][:16], grid)
         if (step + 1) % args.save_every == 0 or last_step or signum:
             ctx.barrier()
+            trained, opt_state = fsdp.whole_state(model, opt, ctx.master)
             if ctx.master:
-                trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
                 checkpoints.save_step(ckpt_dir, step + 1, {
-                    "model": trained, "base": base_path, "config": model.config, "optimizer": opt.state_dict(),
-                    "step": step + 1, "args": vars(args), "grpo": vars(settings), "bad_steps_total": bad_total}, args.keep_last)
+                    "model": trained, "base": base_path, "config": model.config, "lora": lora.settings(model),
+                    "optimizer": opt_state, "step": step + 1, "args": vars(args), "grpo": vars(settings),
+                    "bad_steps_total": bad_total}, args.keep_last)
             ctx.barrier()
         if signum:  # SIGINT / SIGTERM: the step is saved, every rank stops here
             raise processes.Interrupted(f"interrupted ({signal.Signals(signum).name}) after step {step}; "
@@ -386,9 +397,9 @@ def run_stages(args, ctx, settings, reward_fn, init, base, codec, prompts, stops
         # compositions (eval/base, eval/tuned) and, for shapes prompts, the training split too
         # (eval/base_train, eval/tuned_train: prompts of the split RL draws from, with fresh seeds; a
         # short run draws few of these very prompts: 40 steps × 8 of the split's 452)
-        trained = checkpoints.read_checkpoint(final, "--out")["model"]  # the tuned model shares base's frozen parts
-        tuned = models.policy_copy(base, trained).requires_grad_(False)
-        models.load_trained(tuned, trained, final)
+        ckpt = checkpoints.read_checkpoint(final, "--out")  # the tuned model shares base's frozen parts
+        tuned = lora.policy(base, ckpt["lora"]) if ckpt.get("lora") else models.policy_copy(base, ckpt["model"])
+        models.load_trained(tuned.requires_grad_(False), ckpt["model"], final)
         splits = ["heldout", "train"] if args.prompts is None and prompts.is_shapes else ["heldout"]
         report = {}
         for split in splits:
