@@ -29,6 +29,8 @@ Salesforce/blip-vqa-base); `gdino` as detector.py; `clip` OpenAI's ViT-B-32.pt (
 file of the same model).
 """
 
+import os
+
 import torch
 
 import composition_rules
@@ -104,6 +106,31 @@ def numeracy_score(det, numeracy_info):
         n = count(det, item["obj_name"])
         score += (0.5 * weight if n else 0.0) + (0.5 * weight if n == item["num"] else 0.0)
     return score
+
+
+def parse_weights(values, wanted):
+    """['blip_vqa=DIR', ...] -> {"blip_vqa": "DIR", ...}; one-line errors naming --compbench-ckpt."""
+    weights = {}
+    for value in values:
+        key, sep, path = value.partition("=")
+        if not sep or key not in WEIGHT_KEYS:
+            raise ValueError(f"--compbench-ckpt {value!r}: write KEY=PATH with KEY in {', '.join(WEIGHT_KEYS)}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--compbench-ckpt {key}={path}: no such file or folder ({WEIGHT_KEYS[key]})")
+        weights[key] = path
+    if weights and not wanted:
+        raise ValueError("--compbench-ckpt: the weights of the T2I-CompBench table; add --compbench")
+    missing = [k for k in WEIGHT_KEYS if k not in weights]
+    if wanted and missing:
+        raise FileNotFoundError(f"--compbench-ckpt {missing[0]}=PATH is required: {WEIGHT_KEYS[missing[0]]}")
+    return weights
+
+
+def table_columns(items):
+    """The T2I-CompBench table's columns: one per category the prompt records hold, in the paper's order."""
+    tasks = {it["task_type"] for it in items}
+    return [dict(key="compbench", task=task, id=f"compbench/{task}", reward="compbench", label=label, scale=1.0, decimals=4)
+            for task, label in CATEGORIES.items() if task in tasks]
 
 
 class BlipVqa:

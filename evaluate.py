@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import compbench
 import flags
 import models
 import processes
@@ -221,7 +222,8 @@ def parse_table_args(argv=None):
         raise ValueError("--out '': give the table's folder")
     args = flags.parse_args(rest)
     args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
-    args.compbench, args.compbench_weights = own.compbench, parse_compbench_ckpt(own.compbench_ckpt, own.compbench)
+    args.compbench = own.compbench
+    args.compbench_weights = compbench.parse_weights(own.compbench_ckpt, own.compbench)
     args.ckpts = parse_ckpts(own.ckpt)
     args.init = args.ckpts[0][1]  # where models.load_codec looks for NOVA's vae/ folder
     check_table_inputs(args)
@@ -243,25 +245,6 @@ def parse_ckpts(values):
             raise FileNotFoundError(f"--ckpt {name}={path}: no such file or folder")
         out.append((name, path))
     return out
-
-
-def parse_compbench_ckpt(values, wanted):
-    """['blip_vqa=DIR', ...] -> {"blip_vqa": "DIR", ...}; one-line errors naming --compbench-ckpt."""
-    import compbench
-    weights = {}
-    for value in values:
-        key, sep, path = value.partition("=")
-        if not sep or key not in compbench.WEIGHT_KEYS:
-            raise ValueError(f"--compbench-ckpt {value!r}: write KEY=PATH with KEY in {', '.join(compbench.WEIGHT_KEYS)}")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--compbench-ckpt {key}={path}: no such file or folder ({compbench.WEIGHT_KEYS[key]})")
-        weights[key] = path
-    if weights and not wanted:
-        raise ValueError("--compbench-ckpt: the weights of the T2I-CompBench table; add --compbench")
-    missing = [k for k in compbench.WEIGHT_KEYS if k not in weights]
-    if wanted and missing:
-        raise FileNotFoundError(f"--compbench-ckpt {missing[0]}=PATH is required: {compbench.WEIGHT_KEYS[missing[0]]}")
-    return weights
 
 
 def reward_names(spec):
@@ -334,14 +317,6 @@ def table_columns(names):
             for name in names for key, label, scale, decimals in COLUMNS.get(name, [(name, name, 1.0, 2)])]
 
 
-def compbench_columns(items):
-    """The T2I-CompBench table's columns: one per category the prompt records hold, in the paper's order."""
-    import compbench
-    tasks = {it["task_type"] for it in items}
-    return [dict(key="compbench", task=task, id=f"compbench/{task}", reward="compbench", label=label, scale=1.0, decimals=4)
-            for task, label in compbench.CATEGORIES.items() if task in tasks]
-
-
 def table_row(name, path, rows, columns):
     """One checkpoint's row: each column's mean ± SEM over images (of its category, for a column with a
     `task`), in the column's printed scale."""
@@ -370,7 +345,6 @@ def main(argv=None):
     args = parse_table_args(argv)
     ctx = processes.Ctx(args)
     if args.compbench:  # one score per image, its category's (compbench.py)
-        import compbench
         reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
         columns, notes = None, compbench.DEPARTURES
     else:
@@ -391,7 +365,7 @@ def main(argv=None):
         items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
         if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
             items = [it for it in items if it["task_type"] != "object"]
-            columns = columns or compbench_columns(items)
+            columns = columns or compbench.table_columns(items)
         if table is None:
             table = dict(columns=columns, notes=notes, rows=[], num_prompts=len(items), images_per_prompt=args.images_per_prompt,
                          seed=args.seed, batch_size=args.batch_size, model=args.model, prompts=args.prompts,
