@@ -73,8 +73,8 @@ PRESETS = {
     # (lr 2e-6 constant, β 0.01, 4 images per prompt, 12 of 64 AR steps, 10 of 25 diffusion steps, S = 3,
     # top 30 %, Δsim > 0, guidance 5 constant) with --reward_funcs "hps git gdino", summed unweighted
     # (its trainer's normalize_multi_rewards is hard-coded off), on data/geneval_and_t2i_data_final.json
-    # (give it as --prompts: the released records); 3 GPUs × 1 prompt a step there, 8 prompts here as
-    # the other presets. `gdino` fixes the released scorer's inconsistencies (composition_rules.py);
+    # (give it as --prompts: the released records); 3 GPUs × 1 prompt a step there, 8 prompts in this
+    # preset as in the others. `gdino` fixes the released scorer's inconsistencies (composition_rules.py);
     # --reward hpsv2,git_vqa,gdino_released scores exactly as released
     "nova_mix": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
                      steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,

@@ -104,7 +104,7 @@ def min_max_combined(components, weights, group_size, eps=1e-8):
 
     a component constant over a group (range < eps) counting 0 there: the released trainers'
     `normalize_multi_rewards` (off in the released runs), over the batch each process scores,
-    which there is one group; per group here, so that a reward does not depend on the world size
+    which there is one group; per group in this function, so that a reward does not depend on the world size
     or --grad-accum.
 
     components: {name: (B,)}; weights: {name: w}; returns (B,)
