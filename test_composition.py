@@ -413,17 +413,10 @@ TINY_CLIP = "composition-test-clip"
 @pytest.fixture
 def hps_tiny(tmp_path, monkeypatch):
     """A tiny open_clip architecture's HPS file, `--reward hpsv2` built on it through its real loading path."""
-    import clip_rewards
-    import open_clip
-    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
-    (tmp_path / f"{TINY_CLIP}.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(tmp_path)
-    torch.manual_seed(4)  # open_clip initialises from the global generator; tests only
-    torch.save({"state_dict": open_clip.create_model(TINY_CLIP, pretrained=None).state_dict()}, tmp_path / "HPS_tiny.pt")
-    factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=TINY_CLIP, **kw)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
-    return tmp_path / "HPS_tiny.pt"
+    import test_evaluate
+    path = test_evaluate.save_tiny_hps(tmp_path, TINY_CLIP, layers=1, seed=4)
+    test_evaluate.tiny_hps(monkeypatch, TINY_CLIP)
+    return path
 
 
 def test_nova_trains_on_the_released_records_with_hps_git_and_gdino(folders, hps_tiny, tiny_archs, tmp_path, capsys):

@@ -69,18 +69,24 @@ def files(tmp_path_factory):
     torch.save({"model": base.state_dict(), "config": config, "stage": "pretrain"}, d / "base.pt")
     torch.save({"model": tuned, "config": config, "step": 3}, d / "tuned.pt")
     (d / "prompts.txt").write_text("\n".join(SHAPES_PROMPTS) + "\n")
-    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
-    (d / f"{TINY_CLIP}.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(d)
-    torch.manual_seed(2)  # open_clip initialises from the global generator; tests only
-    torch.save({"state_dict": open_clip.create_model(TINY_CLIP, pretrained=None).state_dict()}, d / "HPS_tiny.pt")
+    save_tiny_hps(d)
     return d
 
 
-def tiny_hps(monkeypatch):
-    """`--reward hpsv2` builds HPS on the tiny open_clip architecture (its real loading path)."""
-    factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=TINY_CLIP, **kw)
+def save_tiny_hps(folder, name=TINY_CLIP, layers=2, seed=2):
+    """A tiny open_clip architecture `name` registered from `folder`, and its HPS file folder/HPS_tiny.pt."""
+    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": layers, "width": 32, "head_width": 16, "patch_size": 8},
+           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": layers}}
+    (folder / f"{name}.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(folder)
+    torch.manual_seed(seed)  # open_clip initialises from the global generator; tests only
+    torch.save({"state_dict": open_clip.create_model(name, pretrained=None).state_dict()}, folder / "HPS_tiny.pt")
+    return folder / "HPS_tiny.pt"
+
+
+def tiny_hps(monkeypatch, name=TINY_CLIP):
+    """`--reward hpsv2` builds HPS on the tiny open_clip architecture `name` (its real loading path)."""
+    factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=name, **kw)
     monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
 
 
