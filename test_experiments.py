@@ -2,6 +2,7 @@
 at toy size. They import the top-level modules; these tests import them from experiments/."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -192,3 +193,23 @@ def test_train_ar_below_draws_the_trained_ar_steps_from_the_first_ones():
         g = torch.Generator().manual_seed(seed)
         assert released[0] == torch.randperm(16, generator=g)[:2].sort().values.tolist()
     assert grpo.choose_train_steps(16, 6, [1, 2], 1, torch.Generator().manual_seed(0), below=3)[0] == [0, 1, 2]
+
+
+def test_harmon_lora_step_writes_the_released_layout_and_measures_a_step(tmp_path, monkeypatch, capsys):
+    """experiments/harmon_lora_step.py end to end, with a tiny Harmon in place of the 1.5B config and a
+    tiny VAE in place of the KL-16: the files it writes load through train.py's flags, the LoRA step
+    exits 0, and both peaks are read from the running process."""
+    import harmon
+    import harmon_lora_step
+    import test_harmon
+    monkeypatch.setitem(harmon.CONFIGS, "harmon_1.5b", test_harmon.tiny_config())
+    monkeypatch.setattr(harmon_lora_step, "KL16", dict(ch=32, ch_mult=(1,) * 5, num_res_blocks=1, z=16,
+                                                       enc_attn_levels=(4,)))
+    rc = harmon_lora_step.main(["--work", str(tmp_path), "--side", "3", "--num-iter", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, (tmp_path / "run_lora32.log").read_text()[-2000:]
+    assert json.loads((tmp_path / "harmon_1.5b_3x3.json").read_text())["image_shape"] == [3, 3]
+    loading, grpo = map(float, re.search(r"exit 0; .* ([\d.]+) GiB loading, ([\d.]+) GiB in the GRPO", out).groups())
+    assert 0 < loading and 0 < grpo
+    ckpt = torch.load(tmp_path / "run_lora32" / "ckpt" / "latest.pt", weights_only=False)
+    assert ckpt["lora"]["rank"] == 32 and all(".lora_" in k for k in ckpt["model"])  # the adapters alone
