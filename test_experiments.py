@@ -213,3 +213,18 @@ def test_harmon_lora_step_writes_the_released_layout_and_measures_a_step(tmp_pat
     assert 0 < loading and 0 < grpo
     ckpt = torch.load(tmp_path / "run_lora32" / "ckpt" / "latest.pt", weights_only=False)
     assert ckpt["lora"]["rank"] == 32 and all(".lora_" in k for k in ckpt["model"])  # the adapters alone
+
+
+def test_spatial_report_reads_blocks_verifier_gradient_kl_and_evaluation(tmp_path):
+    import spatial
+    rows = [dict(reward_mean=float(i), grad_norm=[1.0, 3.0][i % 2], kl=0.1 * i, t_rollout=1.0, t_reward=0.5,
+                 t_update=2.5, **{"reward/shapes_coverage": float(i), "reward/shapes": 10.0 - i}) for i in range(12)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "summary.json").write_text(json.dumps(dict(tuned=dict(accuracy=0.25), tuned_train=dict(accuracy=0.5),
+                                                                     base=dict(accuracy=0.125))))
+    r = spatial.run_summary(str(tmp_path), block=5)
+    assert r["steps"] == 12 and r["reward_blocks"] == [2.0, 7.0, 10.5] and r["verifier_blocks"] == [8.0, 3.0, -0.5]
+    assert r["grad_norm_mean"] == 2.0 and r["grad_norm_cv"] == pytest.approx(0.5)   # std 1 over mean 2
+    assert r["kl_last"] == pytest.approx(0.1 * np.mean(range(2, 12))) and r["step_s"] == 4.0
+    assert r["accuracy"] == dict(tuned=0.25, tuned_train=0.5)

@@ -6,7 +6,7 @@ signal for RL on spatial prompts, and where in a rollout is the placement decide
     python experiments/spatial.py --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
     python experiments/spatial.py --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
     python experiments/spatial.py --train FLAGS       # train.py with FLAGS and the reward `shapes_relation` registered
-    python experiments/spatial.py --report RUN [RUN ...] [--plot PNG]   # training reward, gradient norm, KL (metrics.jsonl)
+    python experiments/spatial.py --report RUN [RUN ...] [--block N] [--plot PNG]   # reward blocks, gradient norm, KL
 
 In the demo's world (`--cell 8`: each object fills one 8-px cell of a 2 × 2 grid) a spatial prompt
 "A REL B" is right when A and B are drawn and their cells stand in the relation, e.g. "left of": the
@@ -287,16 +287,24 @@ def probe(model, args, out, G=6, seed=0):
     return res
 
 
-def run_summary(metrics_path, block=20):
-    """A GRPO run's figures from its metrics.jsonl: the training reward in blocks of `block` steps,
-    the gradient norm's mean and std/mean over steps, and the KL to the base over the last 10 steps."""
-    rows = [json.loads(line) for line in open(metrics_path)]
-    reward = np.array([r["reward_mean"] for r in rows])
+def run_summary(run, block=20):
+    """A GRPO run's figures from its metrics.jsonl: the training reward in blocks of `block` steps (and,
+    trained on the proxy `shapes_coverage`, the verifier score logged beside it), the gradient norm's
+    mean and std/mean over steps, the KL to the base over the last 10 steps, and train.py's own
+    evaluation of the tuned model (eval/summary.json: accuracy held out, training split) if it ran."""
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    blocks = lambda key: [float(np.mean([r[key] for r in rows[i:i + block]])) for i in range(0, len(rows), block)]  # noqa: E731
     grad = np.array([r["grad_norm"] for r in rows])
-    return dict(steps=len(rows), reward_blocks=[float(reward[i:i + block].mean()) for i in range(0, len(rows), block)],
-                grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
-                kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
-                step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+    res = dict(steps=len(rows), reward_blocks=blocks("reward_mean"), grad_norm_mean=float(grad.mean()),
+               grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
+               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+    if "reward/shapes_coverage" in rows[0]:
+        res["verifier_blocks"] = blocks("reward/shapes")
+    if os.path.exists(os.path.join(run, "eval", "summary.json")):
+        with open(os.path.join(run, "eval", "summary.json")) as f:
+            ev = json.load(f)
+        res["accuracy"] = {split: ev[split]["accuracy"] for split in ("tuned", "tuned_train")}
+    return res
 
 
 def plot_runs(runs, path, w=10):
@@ -336,6 +344,7 @@ def main(argv=None):
     p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
     p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
     p.add_argument("--report", nargs="+", default=None, metavar="RUN", help="run folders: run_summary of each")
+    p.add_argument("--block", type=int, default=20, help="--report: steps per block of the reward")
     p.add_argument("--plot", default=None, metavar="PNG", help="--report: the runs' reward and gradient-norm curves")
     p.add_argument("--write-prompts", default=None, metavar="FILE", help="write the training-split spatial prompts")
     p.add_argument("--split", default="both", choices=["train", "heldout", "both"], help="--eval: which spatial prompts")
@@ -348,10 +357,15 @@ def main(argv=None):
     if opts.report:
         res = {}
         for run in opts.report:
-            res[run] = r = run_summary(os.path.join(run, "metrics.jsonl"))
-            print(f"{run}: {r['steps']} steps; training reward in 20-step blocks "
-                  + " ".join(f"{x:.3f}" for x in r["reward_blocks"]) + f"; gradient norm mean {r['grad_norm_mean']:.4f}, "
-                  f"std/mean {r['grad_norm_cv']:.2f}; KL (last 10 steps) {r['kl_last']:.2e}; {r['step_s']:.1f} s/step")
+            res[run] = r = run_summary(run, opts.block)
+            fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+            parts = [f"{r['steps']} steps", f"training reward in {opts.block}-step blocks {fmt(r['reward_blocks'])}"]
+            parts += [f"verifier {fmt(r['verifier_blocks'])}"] if "verifier_blocks" in r else []
+            parts += [f"gradient norm mean {r['grad_norm_mean']:.4f}, std/mean {r['grad_norm_cv']:.2f}",
+                      f"KL (last 10 steps) {r['kl_last']:.2e}", f"{r['step_s']:.1f} s/step"]
+            if "accuracy" in r:
+                parts.append(f"accuracy held out {r['accuracy']['tuned']:.3f}, training split {r['accuracy']['tuned_train']:.3f}")
+            print(f"{run}: " + "; ".join(parts))
         if opts.plot:
             plot_runs(opts.report, opts.plot)
         return res
