@@ -334,7 +334,8 @@ def bench_memory(args, opts, out):
     out("\n| bytes per GPU (GiB) | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|")
     for name, cells in table.items():
         out(f"| {name} | " + " | ".join(f"{v / 2 ** 30:.2f} {m}" for v, m in cells.values()) + " |")
-    out("c counted, m measured, ~ modelled (memory.py); " + ("the KL-16 VAE" if extra["vae"] else "NOVA's own VAE not counted")
-        + (" and the reward, HPS v2.1" if extra["reward"] else "; no learned reward"))
+    held = [name for name, n in (("the KL-16 VAE", extra["vae"]), ("the reward, HPS v2.1", extra["reward"])) if n]
+    out("c counted, m measured, ~ modelled (memory.py); VAE + reward: " + (" and ".join(held) or "none")
+        + ("" if extra["vae"] else " (NOVA's own VAE, in its pipeline, is not counted)"))
     return dict(counts=n, extra=extra, measured={f"{k} {t}": m for (k, t), m in measured.items()},
                 table={name: {k: [v, m] for k, (v, m) in cells.items()} for name, cells in table.items()})
