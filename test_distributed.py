@@ -134,7 +134,9 @@ def assert_same_training(one, two):
     trained parameters. Adam divides each gradient element by its own size, so the float rounding
     of summing in another order (1e-7 relative) moves an element with a near-zero gradient by up
     to ~1% of lr; 1e-5 is a tenth of the lr of these presets, while a wrong or missing half of the
-    batch moves most elements by ~lr."""
+    batch moves most elements by ~lr. The second step's figures follow the first update, so they
+    agree to 1e-3, and its KL to 1e-2: the KL is quadratic in the weights' distance from the base,
+    of which those rounding-sized moves are a part (0.25% measured on one Intel Xeon)."""
     a = torch.load(one / "ckpt" / "latest.pt", weights_only=True)
     b = torch.load(two / "ckpt" / "latest.pt", weights_only=True)
     assert a["model"].keys() == b["model"].keys() and a["step"] == b["step"] == 2
@@ -145,7 +147,8 @@ def assert_same_training(one, two):
     assert len(ra) == len(rb) == 2
     for x, y, rel in zip(ra, rb, (1e-6, 1e-3)):
         for key in ("reward_mean", "adv_abs_mean", "loss", "kl", "grad_norm", "logp_parity_err", "ratio_max_dev"):
-            assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-9), (x["step"], key, x[key], y[key])
+            tol = 1e-2 if key == "kl" and x["step"] == 1 else rel
+            assert x[key] == pytest.approx(y[key], rel=tol, abs=1e-9), (x["step"], key, x[key], y[key])
 
 
 @pytest.mark.parametrize("kind", ["small", "harmon", "nova"])
