@@ -1,7 +1,7 @@
 """A Harmon-1.5B-sized GRPO step with `--lora`, on a CPU machine, with its peak memory (docs/memory.md).
 
     python experiments/harmon_lora_step.py --work /tmp/harmon15            # --lora 32, the measured run
-    python experiments/harmon_lora_step.py --work /tmp/harmon15 --lora 0   # the same step without LoRA
+    python experiments/harmon_lora_step.py --work /tmp/harmon15 --lora 0   # without LoRA (~32 GiB, modelled)
 
 The released Harmon-1.5B architecture (harmon.CONFIGS["harmon_1.5b"]: Qwen2.5-1.5B + MAR-H, 2.49B
 parameters) with random weights, written to --work as the released files are laid out: a plain
@@ -10,13 +10,13 @@ released architecture (random), a word-level tokenizer folder standing in for Qw
 Then one GRPO step of `train.py --preset harmon`, reduced where the released settings would take
 hours on two cores: the image (--side × --side tokens, 16 px each), the AR and diffusion steps, the
 trained AR steps and the group; everything else is the preset's (CFG 3, K = 10, S = 5, lr, the
-MAR-GRPO method). The reward is JPEG compressibility (no learned reward weights here).
+MAR-GRPO method). The reward is JPEG compressibility, which needs no weight file.
 
 What it prints: train.py's exit status, the step's seconds, and the peak resident memory of the
 train.py process (VmHWM, read every 0.2 s from /proc) while loading (until the GRPO loop starts)
 and in the GRPO stage (the peak reset as it starts). A random MAR-H's head ends in zero-initialised
-layers (the released init), so every policy gradient is exactly 0 on these weights; the whole backward still runs and allocates as
-with trained weights, which is what the figure measures.
+layers (the released init), so every policy gradient is exactly 0 on these weights; the whole
+backward still runs and allocates as with trained weights, which is what the figure measures.
 """
 
 import argparse
