@@ -193,23 +193,29 @@ def frozen_extras(args):
     return dict(vae=None if args.model == "nova" else vae, reward=reward if "hpsv2" in args.reward else 0)
 
 
+def proc_status(key, pid="self"):
+    """A figure of /proc/PID/status (Linux: VmRSS, VmHWM, ...), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def reset_peak(pid="self"):
+    """Set the process's VmHWM to its current resident memory (Linux: /proc/PID/clear_refs)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
 class PeakRSS:
     """`with PeakRSS() as m:` m.peak: the peak resident memory of this process above its resident
     memory at entry, in bytes (Linux: VmHWM, reset through /proc/self/clear_refs)."""
 
-    @staticmethod
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
     def __enter__(self):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start = self.status("VmRSS")
+        reset_peak()
+        self.start = proc_status("VmRSS")
         return self
 
     def __exit__(self, *exc):
-        self.peak = self.status("VmHWM") - self.start
+        self.peak = proc_status("VmHWM") - self.start
 
 
 def return_freed_memory():

@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import harmon  # noqa: E402
+import memory  # noqa: E402  (the /proc readings of bench.py --memory)
 import test_train_adapters  # noqa: E402  (its word-level tokenizer folder)
 import test_vae  # noqa: E402  (its random LDM-format VAE state dict)
 
@@ -66,13 +67,12 @@ def write_inputs(work, side, seed=0):
     return paths
 
 
-def peak_kib(pid):
-    """The process's peak resident memory so far (VmHWM), KiB; None once it has exited."""
+def peak_bytes(pid):
+    """The process's peak resident memory so far (VmHWM), bytes; 0 once it has exited."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return memory.proc_status("VmHWM", pid)
     except (OSError, StopIteration):
-        return None
+        return 0
 
 
 def run_step(cmd, log_path):
@@ -85,7 +85,7 @@ def run_step(cmd, log_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         while proc.poll() is None:
-            hwm = peak_kib(proc.pid) or 0
+            hwm = peak_bytes(proc.pid)
             if in_grpo:
                 grpo = max(grpo, hwm)
             else:
@@ -93,10 +93,9 @@ def run_step(cmd, log_path):
                 with open(log_path) as f:
                     in_grpo = "grpo:" in f.read()
                 if in_grpo:
-                    with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
-                        f.write("5")  # VmHWM := the current resident memory
+                    memory.reset_peak(proc.pid)
             time.sleep(0.2)
-    return proc.returncode, time.time() - t0, loading / 2 ** 20, grpo / 2 ** 20
+    return proc.returncode, time.time() - t0, loading / 2 ** 30, grpo / 2 ** 30
 
 
 def main(argv=None):
