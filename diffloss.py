@@ -18,17 +18,14 @@ official code. The policy log-probability of one transition, per element (docs/m
 
 Where this file departs from what one might expect:
 1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
-   respaced exactly as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), computed once in
-   float64 and kept as float32 buffers; the official code converts numpy arrays every step.
+   respaced as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), float64 -> float32 buffers.
 2. x^T is *not* scaled by τ: the official code scales only the per-step noise (the paper's
    N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no log-probability.
-3. With CFG, `x_t` has one copy (the guided rows) and `z` has 2N rows [cond; null]; the outputs
-   equal the official sampler's first half.
+3. With CFG, `x_t` has the N guided rows and `z` 2N rows [cond; null] (the official first half).
 4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
-   RL trains only steps 1 … T−2 (`trainable_steps`): the pure-noise step's mean is too
-   ill-conditioned in float32 for its log-probability to be recomputed.
-5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1]: 1/√α ≈ 1300 at the pure-noise step
-   (T = 25), so a briefly trained head samples tokens of size ~800; the small (pixel) models clamp.
+   RL trains only steps 1 … T−2 (`trainable_steps`).
+5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1] (1/√α ≈ 1300 at the pure-noise step,
+   T = 25: a briefly trained head samples tokens of size ~800); the small (pixel) models clamp.
 """
 
 import math
@@ -59,8 +56,7 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t):
         # [cos | sin] of t · 10000^(−k/half): diffusers' function computes the official (DiT) features
-        t_freq = get_timestep_embedding(t, self.frequency_embedding_size, flip_sin_to_cos=True,
-                                        downscale_freq_shift=0)  # (N, 256) float32
+        t_freq = get_timestep_embedding(t, self.frequency_embedding_size, flip_sin_to_cos=True, downscale_freq_shift=0)  # (N, 256)
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
@@ -76,8 +72,7 @@ class ResBlock(nn.Module):
 
     def forward(self, x, y):
         shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(y).chunk(3, dim=-1)
-        h = self.mlp(modulate(self.in_ln(x), shift_mlp, scale_mlp))
-        return x + gate_mlp * h
+        return x + gate_mlp * self.mlp(modulate(self.in_ln(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nn.Module):
@@ -93,9 +88,7 @@ class FinalLayer(nn.Module):
 
 
 class SimpleMLPAdaLN(nn.Module):
-    """The denoising MLP of the diffusion head.
-
-    forward(x, t, c):
+    """The denoising MLP of the diffusion head. forward(x, t, c):
         x: (N, C_in) noisy tokens x^t
         t: (N,) original diffusion timesteps (0 … 999), or one 0-dim timestep for all rows
         c: (N, D) condition vectors z from the MAR decoder
@@ -119,27 +112,22 @@ class SimpleMLPAdaLN(nn.Module):
         def _basic_init(module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.constant_(module.bias, 0)
+                nn.init.constant_(module.bias, 0)
         self.apply(_basic_init)
         nn.init.normal_(self.time_embed.mlp[0].weight, std=0.02)
         nn.init.normal_(self.time_embed.mlp[2].weight, std=0.02)
         # adaLN modulations and the output layer start at zero, as in DiT
         zeroed = [b.adaLN_modulation[-1] for b in self.res_blocks] + [self.final_layer.adaLN_modulation[-1],
                                                                        self.final_layer.linear]
-        for layer in zeroed:
-            nn.init.constant_(layer.weight, 0)
-            nn.init.constant_(layer.bias, 0)
+        for p in (p for layer in zeroed for p in layer.parameters()):
+            nn.init.constant_(p, 0)
 
     def forward(self, x, t, c):
         x = self.input_proj(x)
         # a 0-dim t (sampling: one step for all rows) runs the time MLP once; no host sync either way
         y = self.time_embed(t.reshape(-1)) + self.cond_embed(c)  # (N, W), or (1, W) broadcast + (N, W)
         for block in self.res_blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, y, use_reentrant=False)
-            else:
-                x = block(x, y)
+            x = checkpoint(block, x, y, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x, y)
         return self.final_layer(x, y)
 
 
@@ -172,18 +160,13 @@ class GaussianSchedule(nn.Module):
         betas = 1.0 - alphas_cumprod / alphas_cumprod_prev
         posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
         clipped = torch.cat([posterior_variance[1:2], posterior_variance[1:]]) if len(betas) > 1 else betas
-        arrays = dict(
-            betas=betas,
-            log_betas=torch.log(betas),
-            alphas_cumprod=alphas_cumprod,
-            sqrt_alphas_cumprod=alphas_cumprod.sqrt(),
-            sqrt_one_minus_alphas_cumprod=(1.0 - alphas_cumprod).sqrt(),
-            sqrt_recip_alphas_cumprod=(1.0 / alphas_cumprod).sqrt(),
-            sqrt_recipm1_alphas_cumprod=(1.0 / alphas_cumprod - 1.0).sqrt(),
-            posterior_log_variance_clipped=torch.log(clipped),
-            posterior_mean_coef1=betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
-            posterior_mean_coef2=(1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
-        )
+        arrays = dict(betas=betas, log_betas=torch.log(betas), alphas_cumprod=alphas_cumprod,
+                      sqrt_alphas_cumprod=alphas_cumprod.sqrt(), sqrt_one_minus_alphas_cumprod=(1.0 - alphas_cumprod).sqrt(),
+                      sqrt_recip_alphas_cumprod=(1.0 / alphas_cumprod).sqrt(),
+                      sqrt_recipm1_alphas_cumprod=(1.0 / alphas_cumprod - 1.0).sqrt(),
+                      posterior_log_variance_clipped=torch.log(clipped),
+                      posterior_mean_coef1=betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
+                      posterior_mean_coef2=(1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod))
         self.num_steps = len(timesteps)
         self.register_buffer("timesteps", timesteps, persistent=False)
         for name, value in arrays.items():
@@ -243,14 +226,11 @@ def transition_logprob(x_prev, mean, std):
 
 
 def trainable_steps(num_steps):
-    """Sampling steps k whose transitions RL may train: 1 … T−2.
-
-    k = 0 adds no noise (no density). k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with
-    α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the cosine schedule's β cap of 0.999), so the ε̂ rounding of
-    float32 matmuls (~1e-7, and batch-layout dependent) moves μ by ~1e-3 σ and its log-probability
-    cannot be recomputed reproducibly (it fails the parity of docs/method.md §2). The released trainers
-    record every step; we leave this one out and say so.
-    """
+    """Sampling steps k whose transitions RL may train: 1 … T−2. k = 0 adds no noise (no density).
+    k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the
+    cosine schedule's β cap of 0.999), so float32 rounding of ε̂ (~1e-7, batch-layout dependent)
+    moves μ by ~1e-3 σ: its ℓ cannot be recomputed reproducibly (the parity of docs/method.md §2
+    fails). The released trainers record every step; this one is left out."""
     return range(1, num_steps - 1)
 
 
@@ -268,22 +248,14 @@ class DiffLoss(nn.Module):
     def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False,
                  clip_denoised=False):
         super().__init__()
-        self.in_channels = target_channels
-        self.clip_denoised = clip_denoised
-        self.net = SimpleMLPAdaLN(
-            in_channels=target_channels,
-            model_channels=width,
-            out_channels=target_channels * 2,  # ε and the variance interpolation v
-            z_channels=z_channels,
-            num_res_blocks=depth,
-            grad_checkpointing=grad_checkpointing,
-        )
+        self.in_channels, self.clip_denoised = target_channels, clip_denoised
+        self.net = SimpleMLPAdaLN(in_channels=target_channels, model_channels=width, z_channels=z_channels,
+                                  out_channels=target_channels * 2,  # ε and the variance interpolation v
+                                  num_res_blocks=depth, grad_checkpointing=grad_checkpointing)
         self.train_schedule = GaussianSchedule(1000)
         self.gen_schedule = GaussianSchedule(int(num_sampling_steps))
 
-    @property
-    def num_sampling_steps(self):
-        return self.gen_schedule.num_steps
+    num_sampling_steps = property(lambda self: self.gen_schedule.num_steps)
 
     def trainable_steps(self):  # the sampling steps RL may train (the policy interface; `trainable_steps`)
         return trainable_steps(self.num_sampling_steps)
@@ -398,3 +370,30 @@ def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, 
     steps = sorted(record, reverse=True)  # in sampling order
     x_t, x_prev, std, logp = (torch.stack([record[k][i] for k in steps]) for i in range(4))
     return x, dict(x_t=x_t, x_prev=x_prev, std=std, logp=logp, steps=steps)
+
+
+def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
+    """μ of recorded transitions, differentiable in z and the head (any head with the
+    `p_mean_variance` contract of DiffLoss: MAR's, Harmon's, NOVA's).
+
+    x_t: (K, *rows, C) noisy tokens (rows: (B, n) or (S, B, n)); steps: the K sampling steps (ints);
+    z, z_null: (*rows, D) conditions broadcast over K (z_null None without guidance); w: guidance;
+    checkpoint_head: with gradients on, keep no head activations: each diffusion step's head call is
+      recomputed in the backward pass (torch.utils.checkpoint), so a trained AR step holds one head
+      graph at a time instead of K (S × K with MTE); same values and gradients, two forwards.
+    returns μ: (K, *rows, C). One call per diffusion step with an int step, as the sampler makes
+    it: the same arithmetic, so recomputed and recorded ℓ agree to float rounding (docs/method.md §2).
+    """
+    K, C = x_t.shape[0], x_t.shape[-1]
+    n = x_t[0, ..., 0].numel()  # rows per diffusion step
+    z_rows = z.reshape(n, -1)  # (n, D)
+    if z_null is not None:
+        z_rows = torch.cat([z_rows, z_null.reshape(n, -1)])  # (2n, D) = [cond; null]
+    steps = step_list(steps)
+
+    def mean_at(x, rows, k):
+        return head.p_mean_variance(x, k, rows, w)[0]
+    store = checkpoint_head and torch.is_grad_enabled()
+    mean = [checkpoint(mean_at, x_t[j].reshape(n, C), z_rows, steps[j], use_reentrant=False, preserve_rng_state=False)
+            if store else mean_at(x_t[j].reshape(n, C), z_rows, steps[j]) for j in range(K)]
+    return torch.stack(mean).reshape(x_t.shape)

@@ -1,5 +1,5 @@
-"""Evaluation: generate images for prompts with fixed seeds, score them, write them; the paper's
-metric table; and the pictures of a run (sample grids, reward and gradient-norm curves).
+"""Evaluation: generate images for prompts with fixed seeds, score them, write them; and the paper's
+metric table.
 
 `evaluate` is what `python train.py` runs on the base and the tuned model (the same prompts and
 seeds for both) and what `python train.py --eval-only` runs on a checkpoint. Generation goes
@@ -20,7 +20,7 @@ Every flag it does not define itself (--model, --preset, --prompts, --seed, --re
 --reward-ckpt, the sampling flags, ...) is train.py's, with train.py's defaults and checks.
 
 With --compbench (and --prompts FILE.jsonl, the released records) the columns are T2I-CompBench's
-categories instead: each image is scored by its record's category evaluator (compbench.py), each
+categories instead: each image is scored by its record's category evaluator (scorers/compbench.py), each
 cell is the mean ± SEM over that category's images, and the departures from the benchmark are
 printed under the table.
 
@@ -43,16 +43,15 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image
 from tqdm import tqdm
 
-import compbench
-import flags
-import models
-import processes
-import prompt_records
 import rewards
 import rollout
-import shapes
+from demo import shapes
+from infra import flags, processes, prompt_records
+from models import loading
+from scorers import compbench
 
 
 @torch.no_grad()
@@ -92,7 +91,6 @@ def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
         rows = [r for part in gathered for r in part] if ctx.master else []
     summary = {}
     if ctx.master:
-        from PIL import Image
         rows.sort(key=lambda r: r["index"])
         with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
             for k, r in enumerate(rows):
@@ -143,44 +141,6 @@ def print_report(out, report):
     print(f"\nfiles: {out}/ (metrics.jsonl, curves.png, samples/, ckpt/, eval/)")
 
 
-def save_grid(images, captions, path, scale=4):
-    """A grid of images (B, 3, H, W) in [0, 1] with a caption under each."""
-    from PIL import Image, ImageDraw
-    b, _, h, w = images.shape
-    cols = min(8, b)
-    rows = math.ceil(b / cols)
-    cw, ch = max(w * scale, 160), h * scale + 28
-    grid = Image.new("RGB", (cols * cw, rows * ch), "white")
-    draw = ImageDraw.Draw(grid)
-    arr = (images.clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
-    for i in range(b):
-        x, y = (i % cols) * cw, (i // cols) * ch
-        grid.paste(Image.fromarray(arr[i]).resize((w * scale, h * scale), Image.NEAREST), (x, y))
-        draw.text((x + 2, y + h * scale + 2), captions[i][:26], fill="black")
-        draw.text((x + 2, y + h * scale + 14), captions[i][26:52], fill="black")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    grid.save(path)
-
-
-def plot_curves(metrics_path, out_path):
-    """Reward and gradient norm over steps, from metrics.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(metrics_path)]
-    if not rows:
-        return
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    steps = [r["step"] for r in rows]
-    ax[0].plot(steps, [r["reward_mean"] for r in rows])
-    ax[0].set(xlabel="step", ylabel="reward (mean)")
-    ax[1].plot(steps, [r["grad_norm"] for r in rows])
-    ax[1].set(xlabel="step", ylabel="grad norm (before clipping)")
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-
-
 # -----------------------------------------------------------------------------
 # The paper's table: `python evaluate.py --ckpt NAME=PATH ... --reward hpsv2,imagereward,pickscore`
 
@@ -208,7 +168,7 @@ def table_parser():
     a("--images-per-prompt", type=flags.POS_INT, default=1, help="images generated per prompt and checkpoint")
     a("--batch-size", type=flags.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
     a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, table.json")
-    a("--compbench", action="store_true", help="the T2I-CompBench table (compbench.py) instead of the --reward columns: "
+    a("--compbench", action="store_true", help="the T2I-CompBench table (scorers/compbench.py) instead of the --reward columns: "
       "--prompts is the released records (.jsonl), each image scored by its task type's evaluator")
     a("--compbench-ckpt", action="append", default=[], metavar="KEY=PATH",
       help="T2I-CompBench weights: blip_vqa=FOLDER, gdino=FOLDER, clip=ViT-B-32.pt (repeatable)")
@@ -225,7 +185,7 @@ def parse_table_args(argv=None):
     args.compbench = own.compbench
     args.compbench_weights = compbench.parse_weights(own.compbench_ckpt, own.compbench)
     args.ckpts = parse_ckpts(own.ckpt)
-    args.init = args.ckpts[0][1]  # where models.load_codec looks for NOVA's vae/ folder
+    args.init = args.ckpts[0][1]  # where loading.load_codec looks for NOVA's vae/ folder
     check_table_inputs(args)
     return args
 
@@ -257,7 +217,7 @@ def reward_names(spec):
 def check_table_inputs(args):
     """Files and cross-flag rules, before anything is loaded or written: one-line errors naming the flag."""
     if args.compbench and not (args.prompts and prompt_records.is_record_file(args.prompts)):
-        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records (prompt_records.py)")
+        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records (infra/prompt_records.py)")
     flags.check_model_inputs(args, None if args.compbench else reward_names(args.reward))
 
 
@@ -268,7 +228,6 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
     list runs on rank b mod world with the generator seeded by (args.seed, SEED_STAGE, b). Every
     rank writes its images to out_dir/images/; rank 0 writes out_dir/scores.jsonl. Returns the
     rows of scores.jsonl, sorted (every rank gets all of them)."""
-    from PIL import Image
     jobs = [(i, j) for i in range(len(items)) for j in range(args.images_per_prompt)]
     batches = [jobs[b0:b0 + args.batch_size] for b0 in range(0, len(jobs), args.batch_size)]
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
@@ -344,7 +303,7 @@ def main(argv=None):
     dict (also DIR/table.json); an empty dict on ranks > 0."""
     args = parse_table_args(argv)
     ctx = processes.Ctx(args)
-    if args.compbench:  # one score per image, its category's (compbench.py)
+    if args.compbench:  # one score per image, its category's (scorers/compbench.py)
         reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
         columns, notes = None, compbench.DEPARTURES
     else:
@@ -356,12 +315,12 @@ def main(argv=None):
     for name, path in args.ckpts:
         # --- load one checkpoint at a time (a wrong-shaped later one fails after the earlier rows)
         try:
-            model = models.load_policy(args, path).to(ctx.device).requires_grad_(False)
+            model = loading.load_policy(args, path).to(ctx.device).requires_grad_(False)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"--ckpt {name}={path}: " + str(e).replace(f"--init {path}: ", "").replace("--init: ", "")) from None
         if codec is None:
-            codec = models.load_codec(args, model, ctx.device)
-        prompts = models.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
+            codec = loading.load_codec(args, model, ctx.device)
+        prompts = loading.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
         items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
         if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
             items = [it for it in items if it["task_type"] != "object"]

@@ -1,4 +1,7 @@
-"""The GRPO objective of MAR-GRPO on plain tensors (docs/method.md §6, §7). Nothing in it knows about MAR.
+"""The GRPO loss of MAR-GRPO, whole (docs/method.md §2–§7): advantages, the ratio and its
+surrogate, the KL choices, the per-AR-step objective, and `ar_step_loss`, which recomputes z under
+the policy for a recorded AR step and forms −(P_i − β KL_i) from the method files (diffloss.py,
+mte.py, masks.py). It calls only the policy interface of mar.MaskedAR (MAR, Harmon and NOVA alike).
 
 For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
 
@@ -22,8 +25,8 @@ What the paper says, what the released code does, and what this file does:
 4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
    its KL by its unknown elements, and each step is backpropagated on its own. Released: the
    per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
-   is their mean). This file: L = −mean_i(…) as docs/method.md §6 writes it (policy.backward_rollout divides
-   each step by their number): the same direction, 1/#steps the size before clipping.
+   is their mean). This file: L = −mean_i(…) as docs/method.md §6 writes it (train.py divides each
+   step's loss by their number): the same direction, 1/#steps the size before clipping.
 5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This file:
    drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
    (never the pure-noise step; see diffloss.py).
@@ -33,12 +36,28 @@ What the paper says, what the released code does, and what this file does:
    grpo-fixed-head their term has zero mean whatever the reward (pure variance), and under the
    consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. This file: the
    released W by default; `--policy-positions predicted` keeps W = P_i, the policy gradient of
-   the trajectory that made the image (measured on the demo: docs/research_log.md).
+   the trajectory that made the image.
+7. Recomputing ℓ. The transformer runs in eval mode (no dropout, no condition drop) with
+   gradients, so the recomputed ℓ of a fresh rollout equals the recorded one (docs/method.md §2)
+   and the first inner epoch has ρ ≡ 1 exactly. `--train-cfg rollout` (default) recomputes μ with
+   the rollout's guidance (z of the condition and of the null condition, mixed with the step's
+   w); `--train-cfg 1` recomputes from the conditional z alone, as the released Harmon trainer does
+   although it sampled with guidance (then ℓ no longer matches the recorded value). The reference
+   policy of the KL runs the same computation without gradients.
+8. MTE terms are evaluated only at the uncertain unknown positions, so their cost scales with k%,
+   not with L (mte.trajectory_logprobs). `--mte-positions predicted` restricts them to the tokens
+   written at this step, P_i, the only positions whose z_final is this step's z_i; on U_i outside
+   P_i the trajectories come from the z of a later step, which the released code (and by default
+   this code) evaluates under z_i anyway (mte.py, item 2).
 """
 
 from dataclasses import dataclass
 
 import torch
+
+import masks
+import mte
+from diffloss import transition_logprob, transition_mean
 
 
 @dataclass
@@ -49,10 +68,10 @@ class GRPOSettings:
     clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
     inner_epochs: int = 1         # optimizer steps per rollout
     train_head: bool = False      # does the diffusion head get gradients?
-    mte_seeds: int = 0            # S; 0 = no multi-trajectory expectation
+    mte_trajectories: int = 0     # S; 0 = no multi-trajectory expectation
     top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
     mte_positions: str = "unknown"  # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
-    tau: float | None = 0.0       # consistency threshold; None = no consistency mask
+    consistency_threshold: float | None = 0.0  # κ of the consistency mask; None = no consistency mask
     policy_positions: str = "unknown"  # policy term on U_i (released) or on P_i only ("predicted")
     train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
 
@@ -60,9 +79,9 @@ class GRPOSettings:
         """Raise ValueError naming the flag for contradictory settings."""
         if self.kl not in KL_KINDS:
             raise ValueError(f"--kl {self.kl!r}: choose from {', '.join(KL_KINDS)}")
-        if self.mte_seeds == 1 or self.mte_seeds < 0:
-            raise ValueError(f"--mte-seeds {self.mte_seeds}: MTE needs S >= 2 trajectories (0 turns it off)")
-        if self.mte_seeds >= 2 and not 0 < self.top_k <= 1:
+        if self.mte_trajectories == 1 or self.mte_trajectories < 0:
+            raise ValueError(f"--mte-trajectories {self.mte_trajectories}: MTE needs S >= 2 trajectories (0 turns it off)")
+        if self.mte_trajectories >= 2 and not 0 < self.top_k <= 1:
             raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
         if self.inner_epochs < 1:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
@@ -78,9 +97,9 @@ class GRPOSettings:
 
 # the variants the paper compares (docs/method.md §7); every field can still be overridden by its flag
 METHODS = {
-    "grpo": dict(train_head=True, mte_seeds=0, tau=None),
-    "grpo-fixed-head": dict(train_head=False, mte_seeds=0, tau=None),
-    "mar-grpo": dict(train_head=False, mte_seeds=3, top_k=0.3, tau=0.0),
+    "grpo": dict(train_head=True, mte_trajectories=0, consistency_threshold=None),
+    "grpo-fixed-head": dict(train_head=False, mte_trajectories=0, consistency_threshold=None),
+    "mar-grpo": dict(train_head=False, mte_trajectories=3, top_k=0.3, consistency_threshold=0.0),
 }
 
 
@@ -204,3 +223,82 @@ def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0
     pick = torch.randperm(len(trainable), generator=generator, device=device)[:min(num_diff, len(trainable))]
     both = torch.cat([ar, trainable[pick].sort(descending=True).values]).tolist()
     return both[:len(ar)], both[len(ar):]
+
+
+# -----------------------------------------------------------------------------
+# The loss of one trained AR step, from a rollout record (rollout.py)
+
+def recompute_z(model, step, inputs, guided):
+    """z at the unknown positions of a recorded canvas, differentiable in the model.
+
+    model: a mar.MaskedAR; step: a rollout.StepRecord; inputs: the rollout's condition inputs
+    (embedded by `model` itself, so gradients reach whatever part of it embeds them); guided: also
+    return the null z. returns z (B, n, D) and z_null (B, n, D) or None
+    """
+    cond = model.condition(**inputs)
+    if guided:
+        cond = model.with_null(cond)  # [cond; null]
+    z = model.guided_z(step.tokens, step.unknown.to(step.tokens.dtype), cond, guided)  # (B or 2B, L, D)
+    B, idx = step.tokens.shape[0], step.unk_idx[..., None].expand(-1, -1, z.shape[-1])  # (B, n, D)
+    return z[:B].gather(1, idx), (z[B:].gather(1, idx) if guided else None)
+
+
+def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None, uncertain=None, old=None):
+    """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (`ar_step_objective`).
+
+    model / ref_model: the policy and the frozen reference (mar.MaskedAR); record: a
+    rollout.RolloutRecord; j: index into record.steps; inputs: the rollout's condition inputs;
+    adv: (B,) advantages; settings: GRPOSettings (the guidance w is the step's own);
+    trajectories: MTE trajectories from `mte.sample_trajectories` (or None); uncertain: (B, L) bool
+    M_unc (or None); old: this step's ℓ_old from the first inner epoch (None in the first epoch).
+    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later epochs)
+    """
+    step = record.steps[j]
+    guided = record.z_final_null is not None and settings.train_cfg == "rollout"
+    w = step.cfg if guided else 1.0
+    clip = settings.clip_eps if settings.inner_epochs > 1 else None
+    A = adv[None, :, None, None]  # (1, B, 1, 1)
+
+    # the rollout trajectory: ℓ_θ per element, (K, B, n, C)
+    z, z_null = recompute_z(model, step, inputs, guided)
+    mean = transition_mean(model.diffloss, step.x_t, step.diff_steps, z, z_null, w)
+    logp = transition_logprob(step.x_prev, mean, step.std)
+    logp_old = logp.detach() if old is None else old["logp"]
+    pi_term, ratio = policy_surrogate(logp, logp_old, A, clip)
+    new_old = {"logp": logp_old}
+    stats = {"logp_parity_err": (logp.detach() - step.logp).abs().max()}
+    pred = step.pred.gather(1, step.unk_idx)  # (B, n) P_i on U_i: the tokens this step wrote
+
+    # multi-trajectory expectation on the uncertain unknown positions (mte.py)
+    if trajectories is not None:
+        unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
+        if settings.mte_positions == "predicted":  # only where the trajectories' z_final is this step's z_i
+            unc = unc & pred
+        logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)  # (S, K, B, n, C)
+        logp_s_old = logp_s.detach() if old is None else old["logp_traj"]
+        term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
+        pi_term = mte.mte_policy_term(pi_term, term_s, unc)
+        new_old["logp_traj"] = logp_s_old
+        stats["uncertain_frac"] = unc.float().mean()
+
+    # consistency-aware token selection: W on the unknown positions
+    keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown, step.pred,
+                                  settings.consistency_threshold).gather(1, step.unk_idx)  # (B, n)
+    if settings.policy_positions == "predicted":  # only the tokens this step wrote into the image
+        keep = keep & pred
+    stats["keep_frac"] = keep.float().mean()
+
+    # KL to the reference policy, on the rollout trajectory over all of U_i
+    kl = None
+    if settings.beta > 0:
+        with torch.no_grad():
+            z_ref, z_ref_null = recompute_z(ref_model, step, inputs, guided)
+            mean_ref = transition_mean(ref_model.diffloss, step.x_t, step.diff_steps, z_ref, z_ref_null, w)
+            logp_ref = transition_logprob(step.x_prev, mean_ref, step.std)
+        kl = kl_term(settings.kl, mean, mean_ref, step.std, logp, logp_ref)
+
+    loss, p, k = ar_step_objective(pi_term, keep, kl, settings.beta)
+    stats.update(policy_term=p.detach(), kl=k.detach(), ratio_max_dev=(ratio.detach() - 1).abs().max())
+    if clip is not None:
+        stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
+    return loss, stats, new_old

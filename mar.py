@@ -1,18 +1,17 @@
 """MAR: masked autoregressive image generation with a diffusion head (docs/method.md §1, §3, §10).
 
 The model is the official one (Li et al. 2024, GitHub LTH14/mar), with the same module names,
-so official checkpoints load with `strict=True`:
-- tokens x (B, L, C_tok) are patches of a latent image (KL-16 VAE latents, or raw pixels);
-- an MAE encoder reads the *known* tokens plus `buffer_size` condition slots, an MAE decoder
-  fills every position with a mask token where unknown and outputs z (B, L, D) per position;
-- the diffusion head (diffloss.py) turns z into tokens.
-Generation (`sample_tokens`) runs N steps over a random order; after step i, floor(L cos(π/2 (i+1)/N))
-tokens are unknown, at least one fewer each step (`ar_schedule`).
+so official checkpoints load with `strict=True`: tokens x (B, L, C_tok) are patches of a latent
+image (KL-16 VAE latents, or raw pixels); an MAE encoder reads the *known* tokens plus
+`buffer_size` condition slots; an MAE decoder fills every position with a mask token where unknown
+and outputs z (B, L, D) per position; the diffusion head (diffloss.py) turns z into tokens.
+Generation runs N steps over a random order; after step i, floor(L cos(π/2 (i+1)/N)) tokens are
+unknown, at least one fewer each step (`ar_schedule`).
 
 What this file adds or changes, in order of importance:
-1. The policy interface of rollout.py (`condition`, `null_condition_like`, `predict_z`, `ar_schedule`,
-   `sample_orders`, the head `diffloss`), so the model-agnostic recorder and loss drive this MAR as
-   they drive Harmon and NOVA. `sample_tokens` stays the plain official loop.
+1. The generation loop is `MaskedAR.generate`, shared by MAR, Harmon and NOVA: it calls only the
+   policy interface, so rollout.py's recorder and grpo.py's loss drive every model alike.
+   `sample_tokens` keeps the official signature.
 2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
    first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
    condition of classifier-free guidance. The class path is unchanged.
@@ -20,10 +19,9 @@ What this file adds or changes, in order of importance:
    (the official code uses global numpy state and `.cuda()`). With the same orders and noise,
    `sample_tokens` computes what the official code computes in eval mode (tested).
 4. `local_conv=k` (small models only; 0 by default, as official): a zero-initialised k×k
-   convolution over the decoder's token grid after the position embedding. The small MAR trained
-   for minutes on a CPU does not learn which tokens are neighbours from learned position
-   embeddings; this prior gives it that locality (docs/research_log.md).
-The pixel codec ends the file; the KL-16 VAE is vae.py; loading `.pth` files, models.load_checkpoint.
+   convolution over the decoder's token grid. A small MAR trained for minutes on a CPU does not
+   learn from learned position embeddings which tokens are neighbours; this prior gives it that.
+Codecs (raw pixels, the KL-16 VAE) are in models/vae.py; loading `.pth` files, models/loading.py.
 """
 
 import math
@@ -36,7 +34,6 @@ from timm.models.vision_transformer import Block
 from tqdm import tqdm
 
 from diffloss import DiffLoss
-from rollout import guidance_weight
 
 
 def unknown_after_step(step, num_iter, seq_len, num_unknown):
@@ -54,14 +51,110 @@ def random_orders(bsz, seq_len, device, generator=None):
     return torch.argsort(torch.rand(bsz, seq_len, device=device, generator=generator), dim=1)
 
 
-class MAR(nn.Module):
+def guidance_weight(cfg, cfg_schedule, num_unknown_next, seq_len):
+    """w of one AR step: constant, or "linear" (MAR, after Muse): rising with the fraction of
+    tokens generated, 1 + (w − 1)(L − max(n_next, 1)) / L (the official code's max(…, 1))."""
+    if cfg_schedule == "constant":
+        return cfg
+    if cfg_schedule == "linear":
+        return 1 + (cfg - 1) * (seq_len - max(num_unknown_next, 1)) / seq_len
+    raise ValueError(f"cfg_schedule {cfg_schedule!r}: choose 'linear' or 'constant'")
+
+
+def cat_rows(a, b):
+    """Concatenate two batches of a condition (a tensor or a dict of tensors) along dim 0."""
+    if isinstance(a, dict):
+        return {key: torch.cat([a[key], b[key]]) for key in a}
+    return torch.cat([a, b])
+
+
+class MaskedAR:
+    """The generation loop of the MAR family (MAR, Harmon and NOVA inherit it), over the policy
+    interface each of them implements:
+
+        condition(**inputs) -> cond              batch-first tensor or dict of tensors; `inputs` are a
+                                                 batch's raw condition inputs (MAR: prompt_ids or labels;
+                                                 Harmon: input_ids, attention_mask; NOVA: prompt_embeds)
+        null_condition_like(cond) -> cond_null   the classifier-free-guidance null, same structure
+        predict_z(tokens, mask, cond) -> z       tokens (B, L, C), mask (B, L) float 1 = unknown, z (B, L, D)
+        diffloss                                 the head: p_mean_variance, sample, trainable_steps()
+        sample_orders(bsz, generator), seq_len, token_embed_dim, patchify, unpatchify
+    """
+
+    def ar_schedule(self, num_iter, seq_len):
+        """Tokens written at each AR step (the cosine schedule of `unknown_after_step`). Steps that
+        would write nothing (N > L) are left out: the official loop runs them without effect."""
+        counts, num_unknown = [], seq_len
+        for step in range(num_iter):
+            n_next = unknown_after_step(step, num_iter, seq_len, num_unknown)
+            counts.append(num_unknown - n_next)
+            num_unknown = n_next
+        return [n for n in counts if n > 0]
+
+    def with_null(self, cond):
+        """The rows [cond; null] of classifier-free guidance, batch 2B."""
+        return cat_rows(cond, self.null_condition_like(cond))
+
+    def guided_z(self, tokens, mask, cond, guided):
+        """z of a canvas for the head: (B, L, D), or with guidance (2B, L, D) = the canvas under
+        [cond; null] (cond from `with_null`) in one batched pass. tokens (B, L, C); mask (B, L) float."""
+        if guided:
+            tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])  # (2B, L, C), (2B, L)
+        return self.predict_z(tokens, mask, cond).float()
+
+    @torch.no_grad()
+    def generate(self, cond, orders, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0, generator=None,
+                 observer=None, progress=False):
+        """Generate tokens: at AR step i, z of the canvas, then the head writes the next
+        `ar_schedule` tokens of each order (from its end, as MAR): P_i ⊆ U_i.
+
+        cond: a batch's condition; orders: (B, L); num_iter: N; cfg: guidance w (rows doubled with
+        the null condition when w != 1); cfg_schedule: "linear" | "constant"; temperature: τ;
+        observer: None, or rollout.Recorder: `wants(i)` -> (all_unknown: the head samples all of U_i,
+          not only P_i; record_steps: its diffusion steps to record, or None), `saw(i, ...)` the step.
+        returns tokens (B, L, C)
+        """
+        guided = cfg != 1.0
+        if guided:
+            cond = self.with_null(cond)  # (2B, ...) = [cond; null]
+        (B, L), C = orders.shape, self.token_embed_dim
+        tokens = torch.zeros(B, L, C, device=orders.device)
+        unknown = torch.ones(B, L, dtype=torch.bool, device=orders.device)
+        # Every image has the same number of unknown tokens at every step, so the positions the head
+        # samples are a gather from the orders, not a boolean mask: no host sync in this loop beyond
+        # what predict_z itself does.
+        num_unknown = L
+        for i, count in enumerate(tqdm(self.ar_schedule(num_iter, L), disable=not progress)):
+            z = self.guided_z(tokens, unknown.to(tokens.dtype), cond, guided)  # (B or 2B, L, D)
+            D = z.shape[-1]
+            n_next = num_unknown - count  # orders[:, :n_next] stay unknown
+            pred = torch.zeros_like(unknown).scatter_(1, orders[:, n_next:num_unknown], True)  # (B, L) P_i
+            w = guidance_weight(cfg, cfg_schedule, n_next, L) if guided else 1.0
+            all_unknown, record_steps = observer.wants(i) if observer is not None else (False, None)
+            pos = (orders[:, :num_unknown] if all_unknown else orders[:, n_next:num_unknown]).sort(dim=1).values  # (B, m)
+            idx = pos[..., None].expand(-1, -1, D)  # (B, m, D); the head's rows are image-major, positions ascending
+            z_head = z[:B].gather(1, idx).reshape(-1, D)  # (B·m, D)
+            if guided:
+                z_head = torch.cat([z_head, z[B:].gather(1, idx).reshape(-1, D)])  # (2·B·m, D) = [cond; null]
+            out = self.diffloss.sample(z_head, temperature, w, generator, record_steps=record_steps)
+            sampled, traj = out if record_steps is not None else (out, None)  # (B·m, C)
+            # the canvas with the head's result on the sampled positions: x̂0 on U_i when all_unknown
+            canvas = tokens.scatter(1, pos[..., None].expand(-1, -1, C), sampled.reshape(B, -1, C).to(tokens.dtype))
+            if observer is not None:
+                observer.saw(i, tokens=tokens, unknown=unknown, pred=pred, pos=pos, z=z, w=w, canvas=canvas, traj=traj)
+            tokens = torch.where(pred[..., None], canvas, tokens)  # only P_i is written
+            unknown, num_unknown = unknown & ~pred, n_next
+        return tokens
+
+
+class MAR(MaskedAR, nn.Module):
     """Masked autoregressive model with a diffusion head (official arguments and defaults).
 
     Extra arguments beyond the official ones:
         text_vocab_size: if > 0, a word-embedding table for prompt conditioning (`text_emb`);
         clip_denoised: the head clamps x̂0 to [-1, 1] when sampling (pixel tokens; diffloss.py).
     """
-    # the trained blocks (fsdp.py shards each) and their projections that take --lora adapters (lora.py)
+    # the trained blocks (infra/fsdp.py shards each) and their projections that take --lora adapters (infra/lora.py)
     BLOCKS = r"(encoder|decoder)_blocks\.\d+"
     LORA_TARGETS = BLOCKS + r"\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
 
@@ -74,24 +167,13 @@ class MAR(nn.Module):
                  diffloss_d=3, diffloss_w=1024, num_sampling_steps='100', diffusion_batch_mul=4,
                  grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0):
         super().__init__()
-        norm_eps = norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
-        self.config = dict(
-            img_size=img_size, vae_stride=vae_stride, patch_size=patch_size,
-            encoder_embed_dim=encoder_embed_dim, encoder_depth=encoder_depth, encoder_num_heads=encoder_num_heads,
-            decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth, decoder_num_heads=decoder_num_heads,
-            mlp_ratio=mlp_ratio, norm_eps=norm_eps, vae_embed_dim=vae_embed_dim, mask_ratio_min=mask_ratio_min,
-            label_drop_prob=label_drop_prob, class_num=class_num, attn_dropout=attn_dropout,
-            proj_dropout=proj_dropout, buffer_size=buffer_size, diffloss_d=diffloss_d, diffloss_w=diffloss_w,
-            num_sampling_steps=str(num_sampling_steps), diffusion_batch_mul=diffusion_batch_mul,
-            grad_checkpointing=grad_checkpointing, text_vocab_size=text_vocab_size, clip_denoised=clip_denoised,
-            local_conv=local_conv)
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "norm_layer", "__class__")}
+        self.config.update(num_sampling_steps=str(num_sampling_steps),
+                           norm_eps=norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5)
 
         # tokens
-        self.vae_embed_dim = vae_embed_dim
-        self.img_size = img_size
-        self.vae_stride = vae_stride
-        self.patch_size = patch_size
+        self.vae_embed_dim, self.img_size, self.vae_stride, self.patch_size = vae_embed_dim, img_size, vae_stride, patch_size
         self.seq_h = self.seq_w = img_size // vae_stride // patch_size
         self.seq_len = self.seq_h * self.seq_w
         self.token_embed_dim = vae_embed_dim * patch_size ** 2
@@ -184,18 +266,6 @@ class MAR(nn.Module):
         """(B, L) random generation orders (`random_orders`)."""
         return random_orders(bsz, self.seq_len, self.fake_latent.device, generator)
 
-    def random_masking(self, x, orders, generator=None):
-        """MAE training mask (B, L), 1 = masked: the first ⌈L·ratio⌉ positions of each order, the
-        ratio a normal(1, 0.25) truncated to [mask_ratio_min, 1] (inverse-CDF sampling), one per
-        batch (the encoder keeps the same number of tokens in every row)."""
-        bsz, seq_len, _ = x.shape
-        u = torch.rand((), generator=generator, dtype=torch.float64, device=orders.device).cpu()
-        a = torch.special.ndtr(torch.tensor((self.mask_ratio_min - 1.0) / 0.25, dtype=torch.float64))
-        mask_rate = 1.0 + 0.25 * torch.special.ndtri(a + u * (0.5 - a)).item()  # 0.5 = Φ(0)
-        num_masked = int(math.ceil(seq_len * mask_rate))
-        mask = torch.zeros(bsz, seq_len, device=x.device)
-        return torch.scatter(mask, -1, orders[:, :num_masked], 1.0)
-
     # -------------------------------------------------------------------------
     # conditioning
 
@@ -245,9 +315,7 @@ class MAR(nn.Module):
         x = self.z_proj_ln(x)
         # keep the buffer and the known tokens (every row has the same number of them)
         x = x[(1 - mask_with_buffer).nonzero(as_tuple=True)].reshape(bsz, -1, embed_dim)  # (B, buffer+#known, D)
-        for block in self.encoder_blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
-        return self.encoder_norm(x)
+        return self.encoder_norm(self.run_blocks(self.encoder_blocks, x))
 
     def forward_mae_decoder(self, x, mask):
         """x: (B, buffer + #known, D_enc) encoder output; mask: (B, L), 1 = unknown.
@@ -260,11 +328,16 @@ class MAR(nn.Module):
         x = x_after_pad + self.decoder_pos_embed_learned  # (B, buffer+L, D)
         if self.local_conv:  # a local prior on the token grid (small models only)
             x = torch.cat([x[:, :self.buffer_size], x[:, self.buffer_size:] + self.grid_conv(x[:, self.buffer_size:])], dim=1)
-        for block in self.decoder_blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
-        x = self.decoder_norm(x)
+        x = self.decoder_norm(self.run_blocks(self.decoder_blocks, x))
         x = x[:, self.buffer_size:]  # (B, L, D)
         return x + self.diffusion_pos_embed_learned
+
+    def run_blocks(self, blocks, x):
+        """x through transformer blocks; with grad_checkpointing each block's activations are
+        recomputed in the backward pass instead of kept (only when gradients are on)."""
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
+        return x
 
     def grid_conv(self, x):
         """The decoder's local prior: x (B, L, D) image positions -> (B, L, D), a k×k convolution
@@ -278,103 +351,44 @@ class MAR(nn.Module):
         return self.forward_mae_decoder(self.forward_mae_encoder(tokens, mask, cond), mask)
 
     # -------------------------------------------------------------------------
-    # training
-
-    def forward_loss(self, z, target, mask, generator=None):
-        """Diffusion loss on masked positions, each repeated `diffusion_batch_mul` times."""
-        bsz, seq_len, _ = target.shape
-        target = target.reshape(bsz * seq_len, -1).repeat(self.diffusion_batch_mul, 1)  # (B·L·m, C)
-        z = z.reshape(bsz * seq_len, -1).repeat(self.diffusion_batch_mul, 1)  # (B·L·m, D)
-        mask = mask.reshape(bsz * seq_len).repeat(self.diffusion_batch_mul)  # (B·L·m,)
-        return self.diffloss(z=z, target=target, mask=mask, generator=generator)
-
-    def forward(self, imgs, labels=None, prompt_ids=None, generator=None):
-        """The official MAE-style training loss.
-
-        imgs: (B, C, H, W) latent images; labels: (B,) classes, or prompt_ids: (B, S).
-        """
-        cond = self.condition(labels, prompt_ids, bsz=imgs.shape[0])
-        x = self.patchify(imgs)  # (B, L, C_tok)
-        gt_latents = x.clone().detach()
-        orders = self.sample_orders(x.size(0), generator)
-        mask = self.random_masking(x, orders, generator)
-        x = self.forward_mae_encoder(x, mask, cond, generator)
-        z = self.forward_mae_decoder(x, mask)
-        return self.forward_loss(z=z, target=gt_latents, mask=mask, generator=generator)
-
-    # -------------------------------------------------------------------------
     # generation
-
-    def ar_schedule(self, num_iter, seq_len):
-        """Tokens written at each of the N AR steps (the cosine schedule of `unknown_after_step`)."""
-        counts, num_unknown = [], seq_len
-        for step in range(num_iter):
-            n_next = unknown_after_step(step, num_iter, seq_len, num_unknown)
-            counts.append(num_unknown - n_next)
-            num_unknown = n_next
-        return counts
 
     @torch.no_grad()
     def sample_tokens(self, bsz, num_iter=64, cfg=1.0, cfg_schedule="linear", labels=None, temperature=1.0,
                       progress=False, generator=None, prompt_ids=None, orders=None):
-        """Generate latent images (docs/method.md §1): the official loop, without RL recording (rollout.py).
-
-        bsz: images; num_iter: AR steps N; cfg: guidance w (the batch is doubled internally when
-        w != 1); cfg_schedule: "linear" (w rises with the fraction generated, as Muse) or
-        "constant"; labels: (B,) classes or prompt_ids: (B, S) (neither = unconditional);
-        temperature: τ of the head's noise; orders: optional (B, L) generation orders.
-        returns (B, C, H, W) latent images.
-        """
-        device = self.fake_latent.device
-        L, C = self.seq_len, self.token_embed_dim
-        mask = torch.ones(bsz, L, device=device)
-        tokens = torch.zeros(bsz, L, C, device=device)
-        orders = self.sample_orders(bsz, generator) if orders is None else orders.to(device)
+        """(B, C, H, W) latent images (docs/method.md §1): `generate` behind the official signature;
+        labels: (B,) classes or prompt_ids: (B, S) (neither: unconditional); orders: optional (B, L)."""
+        orders = self.sample_orders(bsz, generator) if orders is None else orders.to(self.fake_latent.device)
         cond = self.condition(labels, prompt_ids, bsz)
-        if cfg != 1.0:
-            cond = torch.cat([cond, self.null_condition_like(cond)], dim=0)  # (2B, [S,] D)
-
-        num_unknown = L
-        for step, count in enumerate(tqdm(self.ar_schedule(num_iter, L), disable=not progress)):
-            x = torch.cat([tokens, tokens], dim=0) if cfg != 1.0 else tokens
-            m = torch.cat([mask, mask], dim=0) if cfg != 1.0 else mask
-            z = self.forward_mae_decoder(self.forward_mae_encoder(x, m, cond), m)  # (B or 2B, L, D)
-
-            # the positions that stay unknown after this step: the first n_next of each order
-            n_next = num_unknown - count
-            mask_next = torch.zeros(bsz, L, device=device).scatter(1, orders[:, :n_next], 1.0)
-            mask_to_pred = mask.bool() & ~mask_next.bool()  # (B, L) P_i
-            cfg_iter = guidance_weight(cfg, cfg_schedule, n_next, L)  # constant, or linear as the official code
-
-            idx = mask_to_pred.nonzero(as_tuple=True)
-            z_head = z[:bsz][idx]  # (M, D)
-            if cfg != 1.0:
-                z_head = torch.cat([z_head, z[bsz:][idx]], dim=0)  # (2M, D) = [cond; null]
-            tokens = tokens.clone()
-            tokens[idx] = self.diffloss.sample(z_head, temperature, cfg_iter, generator).to(tokens.dtype)  # (M, C)
-            mask, num_unknown = mask_next, n_next
+        tokens = self.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator, progress=progress)
         return self.unpatchify(tokens)
 
 
-def mar_base(**kwargs):
-    return MAR(encoder_embed_dim=768, encoder_depth=12, encoder_num_heads=12, decoder_embed_dim=768, decoder_depth=12,
-               decoder_num_heads=12, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
-
-
-def mar_large(**kwargs):
-    return MAR(encoder_embed_dim=1024, encoder_depth=16, encoder_num_heads=16, decoder_embed_dim=1024, decoder_depth=16,
-               decoder_num_heads=16, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
-
-
-def mar_huge(**kwargs):
-    return MAR(encoder_embed_dim=1280, encoder_depth=20, encoder_num_heads=16, decoder_embed_dim=1280, decoder_depth=20,
-               decoder_num_heads=16, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
-
-
-# the official training scripts pass these head sizes with each model (main_mar.py flags)
+# the official sizes: (width, depth, heads) of encoder and decoder each, and the head (depth, width)
+# the official training scripts pass with each model (main_mar.py flags)
+OFFICIAL_SIZES = {"mar_base": (768, 12, 12), "mar_large": (1024, 16, 16), "mar_huge": (1280, 20, 16)}
 OFFICIAL_HEADS = {"mar_base": dict(diffloss_d=6, diffloss_w=1024),
                   "mar_large": dict(diffloss_d=8, diffloss_w=1280),
                   "mar_huge": dict(diffloss_d=12, diffloss_w=1536)}
+
+
+def official_mar(name, **kwargs):
+    """mar_base / mar_large / mar_huge: the official sizes, LayerNorm eps 1e-6, other arguments as given."""
+    width, depth, heads = OFFICIAL_SIZES[name]
+    return MAR(encoder_embed_dim=width, encoder_depth=depth, encoder_num_heads=heads, decoder_embed_dim=width,
+               decoder_depth=depth, decoder_num_heads=heads, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
+
+
+def mar_base(**kwargs):
+    return official_mar("mar_base", **kwargs)
+
+
+def mar_large(**kwargs):
+    return official_mar("mar_large", **kwargs)
+
+
+def mar_huge(**kwargs):
+    return official_mar("mar_huge", **kwargs)
 
 
 def build_mar(config):
@@ -384,17 +398,3 @@ def build_mar(config):
     if config.pop("mask_schedule", "official") != "official":  # a small base's config may record the official one
         raise ValueError("config: only the official mask schedule (a truncated normal ratio) is built")
     return MAR(norm_layer=partial(nn.LayerNorm, eps=norm_eps), **config)
-
-
-# -----------------------------------------------------------------------------
-# Image <-> latent-image codecs. MAR works on latent images (B, C, h, w) and patchifies them.
-
-class PixelCodec:
-    """Raw pixels as the latent image: images (B, 3, H, W) in [0, 1] <-> values in [-1, 1].
-    With MAR(vae_stride=1, vae_embed_dim=3, patch_size=p) a token is one p×p×3 patch."""
-
-    def encode(self, images, generator=None):
-        return images * 2 - 1
-
-    def decode(self, latents):
-        return ((latents + 1) / 2).clamp(0, 1)

@@ -1,21 +1,21 @@
 """Token masks of MAR-GRPO: which positions get the multi-trajectory term, and which positions
 the policy term keeps (docs/method.md §4, §5). Plain tensors; nothing in it knows about MAR.
 
-    u_p    = mean_c std_s x0^(s)_{p,c}                      per-token uncertainty over S seeds
+    u_p    = mean_c std_s x0^(s)_{p,c}                      per-token uncertainty over S trajectories
     M_unc  = top-k% of positions by u_p, per image
     Δsim_p = cos(x̂0^(i)_p, x_final,p) − cos(x̂0^(i−1)_p, x_final,p)
-    H_p    = 1[Δsim_p > τ]
+    H_p    = 1[Δsim_p > κ]                                  κ: the consistency threshold
     W      = U_i ∧ (H ∨ P_i)   for i ≥ 1;   W = U_i at the first AR step
 
 What the paper says, what the released code does, and what this file does:
 1. Uncertainty. Paper: the spread of the S trajectories' predictions. Released: population std
-   (unbiased=False) across seeds of each token's final sample, averaged over channels. This file: the
+   (unbiased=False) across trajectories of each token's final sample, averaged over channels. This file: the
    same (`token_uncertainty`).
 2. Top-k%. Released: k = max(1, int(L · k%)) positions per image by `topk`, whose order among
    ties is unspecified. This file: the same k, with ties broken by position (a stable sort), so the
    mask is a deterministic function of u.
 3. Consistency. Paper: drop tokens whose intermediate prediction does not move toward the final
-   image (Δsim ≤ τ). Released: compares the head's last denoised latents of AR steps i and i−1
+   image (Δsim ≤ κ). Released: compares the head's last denoised latents of AR steps i and i−1
    with the final latents, keeps hard-mask ∨ written-this-step inside the unknown set, and applies
    it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). This file: the same
    rule from i ≥ 1, the first step at which a previous preview exists (docs/method.md §5); at i = 0, W = U.
@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 
 
-def token_uncertainty(x0_seeds):
-    """u_p = mean over channels of the population std across seeds.
+def token_uncertainty(x0_traj):
+    """u_p = mean over channels of the population std across trajectories.
 
-    x0_seeds: (S, B, L, C) final tokens of S head trajectories per position
+    x0_traj: (S, B, L, C) final tokens of S head trajectories per position
     returns u: (B, L)
     """
-    return x0_seeds.std(dim=0, unbiased=False).mean(dim=-1)
+    return x0_traj.std(dim=0, unbiased=False).mean(dim=-1)
 
 
 def top_k_mask(u, frac):
@@ -60,15 +60,15 @@ def delta_sim(preview, preview_prev, final):
     return F.cosine_similarity(preview, final, dim=-1) - F.cosine_similarity(preview_prev, final, dim=-1)
 
 
-def consistency_mask(preview, preview_prev, final, unknown, pred, tau=0.0):
-    """W = U ∧ (H ∨ P) with H = 1[Δsim > τ]; W = U when there is no previous preview (i = 0)
-    or when τ is None (the mask switched off).
+def consistency_mask(preview, preview_prev, final, unknown, pred, threshold=0.0):
+    """W = U ∧ (H ∨ P) with H = 1[Δsim > κ], κ = threshold; W = U when there is no previous
+    preview (i = 0) or when threshold is None (the mask switched off).
 
     preview: (B, L, C) x̂0 at AR step i; preview_prev: (B, L, C) at step i−1, or None;
     final: (B, L, C) the rollout's final tokens; unknown: (B, L) bool U_i; pred: (B, L) bool P_i
     returns W: (B, L) bool
     """
-    if preview_prev is None or tau is None:
+    if preview_prev is None or threshold is None:
         return unknown.clone()
-    keep = delta_sim(preview, preview_prev, final) > tau  # H, (B, L)
+    keep = delta_sim(preview, preview_prev, final) > threshold  # H, (B, L)
     return unknown & (keep | pred)

@@ -13,40 +13,40 @@ masks.py on u_p = mean_c std_s x0^(s).
 What the paper says, what the released code does, and what this file does:
 1. Paper: estimate the optimisation direction by an expectation over S trajectories, only for
    the most uncertain tokens. Released: S = 3 (NOVA) or 5 (Harmon) re-runs from z_final, one
-   Python loop over seeds that reseeds the global RNG. This file: one batched head call over
+   Python loop that reseeds the global RNG per trajectory. This file: one batched head call over
    S × B × L rows with a passed generator (`sample_trajectories`).
-2. Released: the seed trajectories were drawn under z_final but their log-probabilities are
-   evaluated under z_i of the trained AR step. This file: the same, as the default (it is what was
-   published; docs/method.md §4): `seed_logprobs`; `--mte-positions predicted` restricts it to P_i (policy.py).
-3. Released: every seed's log-probability uses the rollout trajectory's s. This file: each seed uses
-   its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's scale
-   per element can differ, and only where σ depends on x^t.
-4. Released: the seeds are guided with the w of the last AR step for every token. This file: each
-   token is guided with the w it was generated with (`cfg_final`).
-5. A property, not a choice: on P_i (z_i = z_final) each seed's ∇ℓ is the score of the very
-   distribution the seed was drawn from, so its mean over seeds is zero whatever the advantage.
+2. Released: the trajectories were drawn under z_final but their log-probabilities are evaluated
+   under z_i of the trained AR step. This file: the same, as the default (it is what was
+   published; docs/method.md §4): `trajectory_logprobs`; `--mte-positions predicted` restricts it
+   to P_i (grpo.ar_step_loss).
+3. Released: every trajectory's log-probability uses the rollout trajectory's s. This file: each
+   uses its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's
+   scale per element can differ, and only where σ depends on x^t.
+4. Released: the trajectories are guided with the w of the last AR step for every token. This
+   file: each token is guided with the w it was generated with (`cfg_final`).
+5. A property, not a choice: on P_i (z_i = z_final) each trajectory's ∇ℓ is the score of the very
+   distribution it was drawn from, so its mean over trajectories is zero whatever the advantage.
    There MTE does not average a gradient; it replaces the uncertain tokens' policy gradient by
-   noise that shrinks as 1/√S, i.e. it masks them (tested; docs/research_log.md). Only on U_i
-   outside P_i, evaluated under another z, do the seeds carry a direction.
+   noise that shrinks as 1/√S, i.e. it masks them (tested). Only on U_i outside P_i, evaluated
+   under another z, do the trajectories carry a direction.
 """
 
 import torch
 
-from diffloss import transition_logprob
-from rollout import transition_mean
+from diffloss import transition_logprob, transition_mean
 
 
 @torch.no_grad()
-def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num_seeds, diff_steps, generator=None):
+def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num_trajectories, diff_steps, generator=None):
     """S fresh head trajectories for every position, in one batched call.
 
     head: the (frozen) DiffLoss; z_final: (B, L, D) the z each token was generated from;
     z_final_null: (B, L, D) the null-condition z for CFG, or None without guidance;
-    cfg_final: (B, L) the guidance w of each token; temperature: τ; num_seeds: S;
+    cfg_final: (B, L) the guidance w of each token; temperature: τ; num_trajectories: S;
     diff_steps: the K recorded sampling steps (as the rollout's, ints); generator: torch.Generator.
     returns dict x_t, x_prev, std (S, K, B, L, C) and x0 (S, B, L, C).
     """
-    S, (B, L, D) = num_seeds, z_final.shape
+    S, (B, L, D) = num_trajectories, z_final.shape
     z = z_final.expand(S, B, L, D).reshape(S * B * L, D)  # (S·B·L, D)
     cfg = 1.0
     if z_final_null is not None:
@@ -60,20 +60,20 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
     return out
 
 
-def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
-    """ℓ_θ of the seed trajectories at one trained AR step, evaluated under that step's z_i
+def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
+    """ℓ_θ of the S trajectories at one trained AR step, evaluated under that step's z_i
     (docs/method.md §4, item 2 above), dense over U_i.
 
-    head: the policy's head; seeds: dict from `sample_trajectories`; step: a rollout.StepRecord
+    head: the policy's head; trajectories: dict from `sample_trajectories`; step: a rollout.StepRecord
     (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
     without guidance); w: guidance; uncertain: (B, n) bool M_unc on U_i.
     returns ℓ^(s): (S, K, B, n, C). Only the uncertain positions are evaluated (the cost scales with
     k%); elsewhere ℓ^(s) is 0 without gradient, and `mte_policy_term` never selects it.
     """
-    S, K, B, L, C = seeds["x_t"].shape
+    S, K, B, L, C = trajectories["x_t"].shape
     n = step.unk_idx.shape[1]
     idx = step.unk_idx[None, None, :, :, None].expand(S, K, B, n, C)
-    x_t, x_prev, std = (seeds[key].gather(3, idx) for key in ("x_t", "x_prev", "std"))  # (S, K, B, n, C)
+    x_t, x_prev, std = (trajectories[key].gather(3, idx) for key in ("x_t", "x_prev", "std"))  # (S, K, B, n, C)
     sel = uncertain[None, None].expand(S, K, B, n)  # (S, K, B, n)
     N_u = int(uncertain.sum())  # positions with MTE in this step (a host sync, once per AR step)
     logp = torch.zeros(S, K, B, n, C, device=x_t.device)
@@ -87,12 +87,12 @@ def seed_logprobs(head, seeds, step, z, z_null, w, uncertain):
     return logp.masked_scatter(sel[..., None].expand_as(logp), logp_u)
 
 
-def mte_policy_term(term_rollout, term_seeds, uncertain):
+def mte_policy_term(term_rollout, term_traj, uncertain):
     """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element (docs/method.md §4).
 
     term_rollout: (K, B, n, C) surrogate ρ⁽⁰⁾A of the rollout trajectory;
-    term_seeds: (S, K, B, n, C) surrogates ρ⁽ˢ⁾A of the S seed trajectories (same advantages);
+    term_traj: (S, K, B, n, C) surrogates ρ⁽ˢ⁾A of the S trajectories (same advantages);
     uncertain: (B, n) bool M_unc on U_i.
     returns (K, B, n, C)
     """
-    return torch.where(uncertain[None, :, :, None], term_seeds.mean(dim=0), term_rollout)
+    return torch.where(uncertain[None, :, :, None], term_traj.mean(dim=0), term_rollout)

@@ -7,7 +7,7 @@ Every reward is a callable
     images:   (B, 3, H, W) float in [0, 1], any device (numpy, and uint8 in 0..255, accepted too)
     prompts:  list of B strings
     metadata: list of B dicts (or None): the prompt's parsed meta (`shapes`), or its released record
-              (prompt_records.py; `gdino`, `git_vqa`)
+              (infra/prompt_records.py; `gdino`, `git_vqa`)
     scores:   (B,) float32 tensor on the CPU
     info:     dict of per-image extras (e.g. "details" for shapes) and JSON-able scalars
 
@@ -18,34 +18,34 @@ weights={...})` parses the `--reward` spec and returns the weighted sum of its r
 
 (the means are unweighted, one per component, for logging). The released runs use HPS v2.1 (docs/method.md §8).
 
-This file holds the interface, the spec parser, `build_reward`, the reading of weight files that
-the model-based rewards share, and the rewards that need no model (shapes, JPEG). The model-based
-rewards live in clip_rewards.py (open_clip), imagereward.py (BLIP, transformers) and
-composition_rewards.py (GroundingDINO, GIT; transformers); they are imported when first built, so
-`import rewards` pulls in none of those libraries.
+This file holds the interface, the spec parser, `build_reward`, the table of weight files, and the
+rewards that need no model (JPEG). The others live in folders and are imported when first built, so
+`import rewards` pulls in none of their libraries: the shapes verifier in demo/verifier.py, the
+model-based rewards in scorers/ (clip.py: open_clip; scorers/imagereward.py: BLIP; composition.py:
+GroundingDINO, GIT; weights.py reads their weight files).
 
 Rewards, the weight files they need, and where those files are published
 (the `weights` key is what `build_reward(..., weights={key: path})` and `--reward-ckpt key=PATH` take):
 
 | `--reward` name | score | `weights` key -> file | where the official file is published |
 |---|---|---|---|
-| `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in shapes.py) |
+| `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in demo/shapes.py) |
 | `jpeg_compressibility` | -(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `jpeg_incompressibility` | +(JPEG size in kB at quality 95), as in DDPO | none | - |
 | `clip_score` | 100 * cos(image, prompt) | `clip_score` -> `ViT-L-14.pt` for the default `model_name="ViT-L-14-quickgelu"`; any open_clip checkpoint of the `model_name` you choose | OpenAI CLIP release (`https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt`, the file `clip.load("ViT-L/14")` fetches) or HF `openai/clip-vit-large-patch14` `model.safetensors`; other archs: the `open_clip_pytorch_model.bin` of their HF repo (e.g. `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` with `model_name="ViT-H-14"`) |
 | `hpsv2` | cos(image, prompt) under HPS v2 / v2.1 (papers print it x100: 0.2676 -> "26.76") | `hpsv2` -> `HPS_v2.1_compressed.pt` (v2.1) or `HPS_v2_compressed.pt` (v2.0) | HF `xswu/HPSv2` (linked from GitHub `tgxs002/HPSv2`) |
 | `pickscore` | exp(logit_scale) * cos(image, prompt) (about 100 * cos) | `pickscore` -> `model.safetensors` | HF `yuvalkirstain/PickScore_v1`; its processor `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` is open_clip's built-in tokenizer, so no file is needed for it |
 | `aesthetic` | LAION aesthetic MLP on the L2-normalised CLIP ViT-L/14 image embedding (about 1..10) | `aesthetic` -> `sac+logos+ava1-l14-linearMSE.pth`; `aesthetic_clip` -> `ViT-L-14.pt` | GitHub `christophschuhmann/improved-aesthetic-predictor`; CLIP as for `clip_score` (OpenAI `ViT-L-14.pt` or HF `openai/clip-vit-large-patch14`) |
-| `gdino` | GroundingDINO finds the prompt's nouns, scored by task type (composition_rules.py; 0..1); needs `--prompts FILE.jsonl` | `gdino` -> a folder in the HF layout | HF `IDEA-Research/grounding-dino-tiny` (the transformers conversion of the released `groundingdino_swint_ogc`) |
-| `gdino_released` | the same with the released code's scoring rules, inconsistencies kept (composition_rules.py) | `gdino` | as `gdino` |
-| `git_vqa` | mean over attribute phrases of GIT's P(yes) / (P(yes) + P(no)) (composition_rewards.py; 0..1); needs `--prompts FILE.jsonl` | `git_vqa` -> a folder in the HF layout | HF `microsoft/git-large-vqav2` |
+| `gdino` | GroundingDINO finds the prompt's nouns, scored by task type (scorers/composition_rules.py; 0..1); needs `--prompts FILE.jsonl` | `gdino` -> a folder in the HF layout | HF `IDEA-Research/grounding-dino-tiny` (the transformers conversion of the released `groundingdino_swint_ogc`) |
+| `gdino_released` | the same with the released code's scoring rules, inconsistencies kept (scorers/composition_rules.py) | `gdino` | as `gdino` |
+| `git_vqa` | mean over attribute phrases of GIT's P(yes) / (P(yes) + P(no)) (scorers/composition.py; 0..1); needs `--prompts FILE.jsonl` | `git_vqa` -> a folder in the HF layout | HF `microsoft/git-large-vqav2` |
 | `imagereward` | ImageReward v1.0: (MLP(BLIP [CLS] feature of prompt x image) - 0.16717) / 1.03334 (about -2..2) | `imagereward` -> `ImageReward.pt`; `imagereward_tokenizer` -> a folder with `bert-base-uncased`'s `vocab.txt` | HF `THUDM/ImageReward` (`ImageReward.pt`, code in GitHub `THUDM/ImageReward`); tokenizer: HF `google-bert/bert-base-uncased` (the official code's `bert-base-uncased`) |
 
 Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
 file raises a one-line FileNotFoundError naming `--reward-ckpt` and the expected file, a file that
 does not fit raises a one-line ValueError naming the file and the first mismatched keys. The
 accepted file formats and where each reward departs from its official scorer are listed at the top
-of clip_rewards.py and imagereward.py.
+of scorers/clip.py and scorers/imagereward.py.
 """
 
 from __future__ import annotations
@@ -53,13 +53,9 @@ from __future__ import annotations
 import importlib
 import io
 import math
-from pathlib import Path
 
-import numpy as np
 import torch
-
-import checkpoints
-from processes import Stop
+from PIL import Image
 
 REWARD_FLAG = "--reward"      # the spec flag, named in errors
 CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
@@ -233,84 +229,31 @@ def build_reward(spec, *, device="cpu", weights=None, options=None, **kwargs):
     return WeightedSum(components)
 
 
+class RewardFailed(RuntimeError):
+    """A reward raised while scoring a batch: the run stops (processes.cli prints the reward's own
+    traceback, then this one line, and exits with status 1)."""
+
+
 def score(reward_fn, spec, images, texts, metas):
-    """reward_fn(images, texts, metas); a reward that raises stops the run (Stop) with the reward's
-    name and the batch's prompts, its own traceback kept as the cause."""
+    """reward_fn(images, texts, metas); a reward that raises stops the run (RewardFailed) with the
+    reward's name and the batch's prompts, its own traceback kept as the cause."""
     try:
         return reward_fn(images, texts, metas)
     except Exception as e:
         unique = list(dict.fromkeys(texts))
         shown = unique[:8] + ([f"... {len(unique)} prompts in all"] if len(unique) > 8 else [])
         reason = (str(e).strip().splitlines() or [""])[0]
-        raise Stop(f"--reward {spec!r} failed on the prompts {shown}: {type(e).__name__}: {reason}") from e
-
-
-# -----------------------------------------------------------------------------
-# Weight files (shared by the model-based rewards)
-
-def check_file(path, key):
-    """The path of weights key `key` as a Path (a folder for FOLDER_KEYS), or a one-line
-    FileNotFoundError naming the flag and the expected file."""
-    expected, where = WEIGHT_FILES[key]
-    if not path:
-        raise FileNotFoundError(f"{CKPT_FLAG} {key}=PATH is required: expected {expected} (from {where})")
-    path = Path(path).expanduser()
-    if not (path.is_dir() if key in FOLDER_KEYS else path.is_file()):
-        what = "no such folder" if key in FOLDER_KEYS else "no such file"
-        raise FileNotFoundError(f"{CKPT_FLAG} {key}={path}: {what}; expected {expected} (from {where})")
-    return path
-
-
-def load_strict(module, state_dict, path, what):
-    """module.load_state_dict(state_dict, strict=True), but a mismatch is one line naming the file.
-
-    what: short description of the expected content, e.g. "open_clip 'ViT-H-14'".
-    """
-    problems = checkpoints.state_dict_mismatch(module.state_dict(), state_dict)
-    if problems:
-        raise ValueError(f"weights in {path} do not fit {what}: {problems}")
-    module.load_state_dict(state_dict, strict=True)
+        raise RewardFailed(f"--reward {spec!r} failed on the prompts {shown}: {type(e).__name__}: {reason}") from e
 
 
 # -----------------------------------------------------------------------------
 # The rewards that need no model
-
-class ShapesReward(Reward):
-    """The verifiable reward of the shapes world: `verifier.verify_batch` on the images and the
-    prompts' metas (metadata[i] when it is a shapes meta, else `shapes.parse_prompt(prompts[i])`).
-    info["details"]: the verifier's per-image check results."""
-
-    name = "shapes"
-
-    def __init__(self, device="cpu"):
-        import shapes  # imported when used, so the other rewards work without the shapes world
-        import verifier
-        self.shapes, self.verifier = shapes, verifier
-
-    def metas(self, prompts, metadata):
-        """The shapes metas of a batch: metadata[i] when it is one, else parsed from prompts[i]."""
-        metas = []
-        for prompt, meta in zip(prompts, metadata):
-            if meta and "objects" in meta:  # a shapes meta dict (shapes.sample_prompts / parse_prompt)
-                metas.append(meta)
-                continue
-            try:
-                metas.append(self.shapes.parse_prompt(prompt))
-            except ValueError as e:
-                raise ValueError(f"{self.name} reward: '{prompt}' is not a shapes prompt ({e})") from None
-        return metas
-
-    def score(self, images, prompts, metadata):
-        scores, details = self.verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
-        return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
-
 
 def jpeg_size_kb(images, quality=95):
     """JPEG file size in kB (1000 bytes) of each image at `quality`, DDPO's measure.
     images: (B, 3, H, W) in [0, 1]. Returns (B,) float32."""
     pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
     pixels = pixels.transpose(0, 2, 3, 1)                                     # (B, H, W, 3)
-    from PIL import Image
     sizes = []
     for pixel in pixels:
         buffer = io.BytesIO()
@@ -334,8 +277,8 @@ class JpegReward(Reward):
 # The registry
 
 def _built_from(module, cls_name):
-    """A factory that imports `module` when the reward is first built: clip_rewards and
-    imagereward import `Reward` from this file, and pull in open_clip / transformers."""
+    """A factory that imports `module` when the reward is first built: the scorers import `Reward`
+    from this file and pull in open_clip / transformers, the shapes reward the demo's world."""
     def factory(**kwargs):
         return getattr(importlib.import_module(module), cls_name)(**kwargs)
     factory.__qualname__ = f"{module}.{cls_name}"
@@ -345,25 +288,25 @@ def _built_from(module, cls_name):
 # name -> (factory(device=..., **weight paths, **options), weights keys, accepted options)
 _CLIP_OPTIONS = {"model_name", "dtype", "batch_size"}
 REWARDS = {
-    "shapes": (ShapesReward, (), set()),
+    "shapes": (_built_from("demo.verifier", "ShapesReward"), (), set()),
     "jpeg_compressibility": (lambda device="cpu": JpegReward(-1.0, device), (), set()),
     "jpeg_incompressibility": (lambda device="cpu": JpegReward(+1.0, device), (), set()),
-    "clip_score": (_built_from("clip_rewards", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),
-    "hpsv2": (_built_from("clip_rewards", "HPSv2Reward"), ("hpsv2",), _CLIP_OPTIONS),
-    "pickscore": (_built_from("clip_rewards", "PickScoreReward"), ("pickscore",), _CLIP_OPTIONS),
-    "aesthetic": (_built_from("clip_rewards", "AestheticReward"), ("aesthetic", "aesthetic_clip"), _CLIP_OPTIONS),
-    "imagereward": (_built_from("imagereward", "ImageRewardReward"), ("imagereward", "imagereward_tokenizer"),
+    "clip_score": (_built_from("scorers.clip", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),
+    "hpsv2": (_built_from("scorers.clip", "HPSv2Reward"), ("hpsv2",), _CLIP_OPTIONS),
+    "pickscore": (_built_from("scorers.clip", "PickScoreReward"), ("pickscore",), _CLIP_OPTIONS),
+    "aesthetic": (_built_from("scorers.clip", "AestheticReward"), ("aesthetic", "aesthetic_clip"), _CLIP_OPTIONS),
+    "imagereward": (_built_from("scorers.imagereward", "ImageRewardReward"), ("imagereward", "imagereward_tokenizer"),
                     {"arch", "dtype", "batch_size"}),
-    "gdino": (_built_from("composition_rewards", "GDinoReward"), ("gdino",), set()),
-    "gdino_released": (_built_from("composition_rewards", "GDinoReleasedReward"), ("gdino",), set()),
-    "git_vqa": (_built_from("composition_rewards", "GitVqaReward"), ("git_vqa",), set()),
+    "gdino": (_built_from("scorers.composition", "GDinoReward"), ("gdino",), set()),
+    "gdino_released": (_built_from("scorers.composition", "GDinoReleasedReward"), ("gdino",), set()),
+    "git_vqa": (_built_from("scorers.composition", "GitVqaReward"), ("git_vqa",), set()),
 }
 
-# The model-based reward classes are also reachable from this module (`rewards.HPSv2Reward`), imported on
-# first access (PEP 562) for the same reason as `_built_from`.
-_ELSEWHERE = {"ClipScoreReward": "clip_rewards", "HPSv2Reward": "clip_rewards", "PickScoreReward": "clip_rewards",
-              "AestheticReward": "clip_rewards", "ImageRewardReward": "imagereward", "GDinoReward": "composition_rewards",
-              "GDinoReleasedReward": "composition_rewards", "GitVqaReward": "composition_rewards"}
+# The reward classes of other folders are also reachable from this module (`rewards.HPSv2Reward`),
+# imported on first access (PEP 562) for the same reason as `_built_from`.
+_ELSEWHERE = {"ShapesReward": "demo.verifier", "ClipScoreReward": "scorers.clip", "HPSv2Reward": "scorers.clip", "PickScoreReward": "scorers.clip",
+              "AestheticReward": "scorers.clip", "ImageRewardReward": "scorers.imagereward", "GDinoReward": "scorers.composition",
+              "GDinoReleasedReward": "scorers.composition", "GitVqaReward": "scorers.composition"}
 
 
 def __getattr__(name):

@@ -1,7 +1,7 @@
 """A Harmon-1.5B-sized GRPO step with `--lora`, on a CPU machine, with its peak memory (docs/memory.md).
 
-    python experiments/harmon_lora_step.py --work /tmp/harmon15            # --lora 32, the measured run
-    python experiments/harmon_lora_step.py --work /tmp/harmon15 --lora 0   # without LoRA (~32 GiB, modelled)
+    python -m experiments.harmon_lora_step --work /tmp/harmon15            # --lora 32, the measured run
+    python -m experiments.harmon_lora_step --work /tmp/harmon15 --lora 0   # without LoRA (~32 GiB, modelled)
 
 The released Harmon-1.5B architecture (harmon.CONFIGS["harmon_1.5b"]: Qwen2.5-1.5B + MAR-H, 2.49B
 parameters) with random weights, written to --work as the released files are laid out: a plain
@@ -22,21 +22,18 @@ backward still runs and allocates as with trained weights, which is what the fig
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
 
 import torch
 
+from benchmarks import memory
+from models import harmon
+from models.stand_ins import KL16, random_ldm_sd, save_tokenizer
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import harmon  # noqa: E402
-import memory  # noqa: E402  (the /proc readings of bench.py --memory)
-import test_train_adapters  # noqa: E402  (its word-level tokenizer folder)
-import test_vae  # noqa: E402  (its random LDM-format VAE state dict)
-
-KL16 = dict(ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, z=16, enc_attn_levels=(4,))  # the released KL-16
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a red circle"]
 
 
@@ -57,11 +54,10 @@ def write_inputs(work, side, seed=0):
         os.replace(paths["init"] + ".tmp", paths["init"])
         del model
     if not os.path.exists(paths["vae"]):
-        sd = test_vae.random_ldm_sd(KL16, seed=seed + 1, dtype=torch.float32)
+        sd = random_ldm_sd(KL16, seed=seed + 1, dtype=torch.float32)
         torch.save({"model": sd}, paths["vae"])
     if not os.path.exists(paths["tokenizer"]):
-        import pathlib
-        test_train_adapters.save_tokenizer(pathlib.Path(paths["tokenizer"]))
+        save_tokenizer(pathlib.Path(paths["tokenizer"]))
     with open(paths["prompts"], "w") as f:
         f.write("\n".join(PROMPTS) + "\n")
     return paths

@@ -1,16 +1,15 @@
-"""Spatial relations in the demo world (docs/study.md, "Spatial relations"): is there a learning
+"""Spatial relations in the demo world (experiments/study.md, "Spatial relations"): is there a learning
 signal for RL on spatial prompts, and where in a rollout is the placement decided?
 
-    python experiments/spatial.py --probe bases/demo.pt --threads 1          # the measurements, at the demo's τ
-    python experiments/spatial.py --probe bases/demo.pt --temperature 0.5    # ... at another τ
-    python experiments/spatial.py --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
-    python experiments/spatial.py --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
-    python experiments/spatial.py --train FLAGS       # train.py with FLAGS and the reward `shapes_relation` registered
-    python experiments/spatial.py --report RUN [RUN ...] [--block N] [--plot PNG]   # reward blocks, gradient norm, KL
+    python -m experiments.spatial --probe demo/base.pt --threads 1          # the measurements, at the demo's τ
+    python -m experiments.spatial --probe demo/base.pt --temperature 0.5    # ... at another τ
+    python -m experiments.spatial --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
+    python -m experiments.spatial --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
+    python -m experiments.spatial --report RUN [RUN ...] [--block N] [--plot PNG]   # reward blocks, gradient norm, KL
 
 In the demo's world (`--cell 8`: each object fills one 8-px cell of a 2 × 2 grid) a spatial prompt
 "A REL B" is right when A and B are drawn and their cells stand in the relation, e.g. "left of": the
-same row, A's cell left of B's (verifier.py; the centroid rule reduces to that on a cell grid). Two
+same row, A's cell left of B's (demo/verifier.py; the centroid rule reduces to that on a cell grid). Two
 objects placed in distinct random cells satisfy a given relation in 2 of 12 ordered placements, 1 in 6.
 
 Measurements (`probe`), each on a stated set of spatial prompts and seeds:
@@ -39,42 +38,17 @@ import sys
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import flags  # noqa: E402
-import mar  # noqa: E402
-import models  # noqa: E402
-import processes  # noqa: E402
-import rewards  # noqa: E402
-import shapes  # noqa: E402
-import train  # noqa: E402
-import verifier  # noqa: E402
-from diffloss import reverse_sample  # noqa: E402
-from prompts import Prompts  # noqa: E402
+from demo import shapes, verifier
+from diffloss import reverse_sample
+from experiments import lab  # noqa: F401  (registers the reward shapes_relation, the flag --train-ar-below)
+from infra import flags, processes
+from infra.figures import save_grid
+from infra.prompts import Prompts
+from models import loading, vae
 
 CHANCE = 2 / 12  # a given relation holds for 2 of the 12 ordered placements of two objects in distinct cells of 2 × 2
-
-
-class ShapesRelationReward(rewards.ShapesReward):
-    """The relation, scored strictly: r = 1 where a spatial prompt's relation holds (verifier.py) with
-    each of its two objects drawn exactly once and nothing else drawn, else 0; the verifier's score
-    for prompts of the other categories. Strict because the verifier's relation compares the largest
-    instances, which duplicates game: trained on the verifier alone, the demo base learnt to fill the
-    grid with copies of the requested objects (docs/study.md, "Spatial relations"). Weighted beside
-    `shapes` it puts more of the reward on placement: `--reward shapes:1,shapes_relation:1`."""
-
-    name = "shapes_relation"
-
-    def score(self, images, prompts, metadata):
-        scores, details = self.verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
-        r = [float(d["relation"] is True and d["count"] and d["extra_objects"] == 0) if d["relation"] is not None
-             else float(s) for s, d in zip(scores, details)]
-        return torch.tensor(r, dtype=torch.float32), {"details": list(details)}
-
-
-rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())  # --reward shapes_relation in `--train` runs
 
 
 def spatial_prompts(split):
@@ -148,7 +122,7 @@ def continue_rollout(model, cond, tokens, unknown, orders, start, num_iter, temp
 
 def verify_tokens(model, tokens, metas):
     """Verifier results of token grids (B, L, C) against metas: (scores (B,), details)."""
-    images = mar.PixelCodec().decode(model.unpatchify(tokens).float())  # (B, 3, H, W) in [0, 1]
+    images = vae.PixelCodec().decode(model.unpatchify(tokens).float())  # (B, 3, H, W) in [0, 1]
     return verifier.verify_batch(images, metas)
 
 
@@ -168,9 +142,8 @@ def sample_groups(model, metas, G, num_iter, temperature, seed, batch=96, grid=N
                                   model.sample_orders(B, g), 0, num_iter, temperature, g)
         s, d = verify_tokens(model, tokens, its)
         if grid and b0 == 0:
-            import evaluate
-            images = mar.PixelCodec().decode(model.unpatchify(tokens[:32]).float())
-            evaluate.save_grid(images, [("[ok] " if x["correct"] else "") + m["prompt"] for x, m in zip(d, its)], grid)
+            images = vae.PixelCodec().decode(model.unpatchify(tokens[:32]).float())
+            save_grid(images, [("[ok] " if x["correct"] else "") + m["prompt"] for x, m in zip(d, its)], grid)
         scores += s.tolist()
         details += d
     return np.array(scores), details
@@ -310,15 +283,13 @@ def run_summary(run, block=20):
 def plot_runs(runs, path, w=10):
     """Training reward and gradient norm (trailing means over w steps) of runs, one line each; runs
     whose folder names differ only in a trailing `_seedN` share a colour and a mean ± std band."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     groups = {}
     for run in runs:
         rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
         name = os.path.basename(run.rstrip("/"))
         groups.setdefault(name.rsplit("_seed", 1)[0], []).append(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     for name, members in groups.items():
         for ax, key in zip(axes, ("reward_mean", "grad_norm")):
             n = min(len(m) for m in members)
@@ -332,14 +303,11 @@ def plot_runs(runs, path, w=10):
     axes[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None):
-    """`--probe`, `--eval` (returns the figures), or `--train FLAGS`: train.py with this file's reward."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--train"]:
-        return train.cli(argv[1:])
+    """`--probe`, `--eval`, `--report` (return the figures) or `--write-prompts`. Training runs go
+    through `python -m experiments.lab FLAGS` (train.py with the reward shapes_relation)."""
     p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
     p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
@@ -380,7 +348,7 @@ def main(argv=None):
     args = flags.parse_args(["--preset", "demo"] + rest)
     if args.cfg != 1.0:
         raise ValueError("--cfg: these probes sample without guidance (CFG 1), as the demo does")
-    model = models.load_policy(args, opts.probe or opts.eval, "--probe" if opts.probe else "--eval")
+    model = loading.load_policy(args, opts.probe or opts.eval, "--probe" if opts.probe else "--eval")
     say = lambda s: print(s, flush=True)  # noqa: E731
     if opts.probe:
         res = probe(model, args, say, seed=opts.seed)
@@ -408,6 +376,5 @@ def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
     return res
 
 
-if __name__ == "__main__":  # `--train` returns train.py's exit status; the rest fail in one line (processes.cli)
-    argv = sys.argv[1:]
-    sys.exit(main(argv) if argv[:1] == ["--train"] else processes.cli(main, argv))
+if __name__ == "__main__":
+    sys.exit(processes.cli(main))

@@ -1,0 +1,97 @@
+"""What the lab adds to train.py and to the demo's pretraining, registered when this module is
+imported (experiments/study.py and spatial.py import it), and the command that runs them with it:
+
+    python -m experiments.lab FLAGS               # train.py with FLAGS and the lab's presets, rewards and flags
+    python -m experiments.lab --pretrain FLAGS    # python -m demo.pretrain with the lab's pretraining presets
+
+- the preset free16: the base of experiments/study.md (experiments/bases/free16.pt): free object
+  sizes and positions, clean captions, CFG 6, τ 0.5, lr 1e-5. Made with 8000 steps, then 8000
+  more at half the learning rate on new data draws (43 and 66 minutes on 2 CPU cores, torch 2.14):
+      python -m experiments.lab --pretrain --preset free16 --out runs/free_base --threads 2
+      python -m experiments.lab --pretrain --preset free16 --out runs/free_base2 \\
+          --pretrain-from runs/free_base/base.pt --pretrain-lr 5e-4 --seed 1
+      python -m infra.checkpoints half runs/free_base2/base.pt experiments/bases/free16.pt
+- the rewards shapes_coverage (a deliberately hackable proxy) and shapes_relation (the relation,
+  scored strictly);
+- the flag --train-ar-below N (not in the paper): the trained AR steps are drawn from the first N
+  only, the steps that place the objects.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+import rewards
+import train
+from demo import pretrain, shapes, verifier
+from infra import flags, processes
+
+FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
+FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
+PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, num_iter=16, min_diff_step=2, lr=1e-5, cfg=6.0)}
+PRETRAIN_PRESETS = {"free16": dict(img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000)}
+
+
+class ShapesCoverageReward(verifier.ShapesReward):
+    """A deliberately hackable proxy of the shapes world, for the reward-hacking study (study.md):
+    the mean, over the colours the prompt asks for, of the fraction of pixels of that colour,
+
+        r = 1/|C| sum_{c in C} #{pixels nearest to colour c} / (H W),   C = the prompt's colours,
+
+    pixels assigned to the nearest of black and the palette as the verifier does. It rises with
+    the right colours on the canvas, so it correlates with the verifier's score, but it pays more
+    for more paint: large blobs score higher than the asked shapes, counts and sizes."""
+
+    name = "shapes_coverage"
+
+    def score(self, images, prompts, metadata):
+        classes = verifier.nearest_colour(images.cpu().permute(0, 2, 3, 1).numpy())  # (B, H, W), 0 = black
+        names = list(shapes.COLORS)  # colour k is class k + 1
+        scores = []
+        for b, meta in enumerate(self.metas(prompts, metadata)):
+            asked = sorted({names.index(o["color"]) + 1 for o in meta["objects"]})
+            scores.append(float(np.mean([(classes[b] == k).mean() for k in asked])))
+        return torch.tensor(scores, dtype=torch.float32), {}
+
+
+class ShapesRelationReward(verifier.ShapesReward):
+    """The relation, scored strictly: r = 1 where a spatial prompt's relation holds (demo/verifier.py) with
+    each of its two objects drawn exactly once and nothing else drawn, else 0; the verifier's score
+    for prompts of the other categories. Strict because the verifier's relation compares the largest
+    instances, which duplicates game: trained on the verifier alone, the demo base learnt to fill the
+    grid with copies of the requested objects (study.md, "Spatial relations"). Weighted beside
+    `shapes` it puts more of the reward on placement: `--reward shapes:1,shapes_relation:1`."""
+
+    name = "shapes_relation"
+
+    def score(self, images, prompts, metadata):
+        scores, details = verifier.verify_batch(images.cpu(), self.metas(prompts, metadata))
+        r = [float(d["relation"] is True and d["count"] and d["extra_objects"] == 0) if d["relation"] is not None
+             else float(s) for s, d in zip(scores, details)]
+        return torch.tensor(r, dtype=torch.float32), {"details": list(details)}
+
+
+def lab_flags(p):
+    p.add_argument("--train-ar-below", type=flags.NONNEG_INT, default=0,
+                   help="draw the trained AR steps from the first N only (0 = from all, as released; not in the paper)")
+
+
+flags.PRESETS.update(PRESETS)
+flags.EXTENSIONS.append(lab_flags)
+pretrain.PRESETS.update(PRETRAIN_PRESETS)
+rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
+rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
+
+
+def main(argv=None):
+    """train.py (or, after --pretrain, the demo's pretraining) with the lab's additions. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--pretrain"]:
+        return processes.cli(pretrain.main, argv[1:])
+    return train.cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

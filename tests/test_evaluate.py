@@ -1,0 +1,274 @@
+"""Tests of the paper's table (`python evaluate.py --ckpt NAME=PATH ...`), in this process, on the CPU.
+
+Two small-MAR checkpoints in train.py's format ({"model", "config"}: a random one and a perturbed
+copy), two shapes prompts, 2 images per prompt, and three rewards: `shapes`, `jpeg_incompressibility`
+and a tiny random open_clip model loaded as `hpsv2` through its real weights path. Checked: one row
+per checkpoint, one column per reward (two for shapes); every cell's mean ± SEM equals the hand
+computation from scores.jsonl; HPS is printed ×100; the stored scores are what each reward gives
+for the written PNGs; the images are the seeded generator's, per batch, the same whatever the
+checkpoint's place, the run or the rank; the two checkpoints draw different images. Then tiny
+Harmon and NOVA releases against tuned checkpoints of ours (test_train_adapters' fixtures), and
+the one-line errors.
+"""
+
+import contextlib
+import json
+import math
+import statistics
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from PIL import Image
+
+import evaluate
+import mar
+import rewards
+import train
+from demo import pretrain
+from infra import processes
+from models import loading, vae
+from scorers import clip as clip_rewards
+from tests.helpers import ADAPTER_PROMPTS as NOVA_PROMPTS
+from tests.test_train_adapters import DDPM, save_nova_pipeline
+
+torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
+
+SHAPES_PROMPTS = ["a red circle", "two blue squares"]
+TINY_CLIP = "evaluate-test-tiny"  # 32 px, patch 8, width 32, 2 layers, embed 16
+SAMPLING = ["--preset", "smoke", "--num-iter", "2", "--num-sampling-steps", "4", "--temperature", "1.0"]
+
+
+def run(capsys, *flags):
+    """evaluate.cli in this process. Returns (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = evaluate.cli([str(f) for f in flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_scores(folder):
+    return [json.loads(line) for line in (folder / "scores.jsonl").read_text().splitlines()]
+
+
+def read_png(path):
+    return np.array(Image.open(path))  # (H, W, 3) uint8
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Two small-MAR checkpoints as train.py writes them, a shapes prompt file, a tiny HPS file."""
+    d = tmp_path_factory.mktemp("evaluate")
+    config = pretrain.small_mar_config(pretrain.parse_args(["--preset", "smoke", "--num-sampling-steps", "4"]))
+    torch.manual_seed(0)  # the model initialises from the global generator; tests only
+    base = mar.build_mar(config)
+    g = torch.Generator().manual_seed(1)
+    tuned = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+             for k, v in base.state_dict().items()}  # every weight moves, the zero-initialised ones too
+    torch.save({"model": base.state_dict(), "config": config, "stage": "pretrain"}, d / "base.pt")
+    torch.save({"model": tuned, "config": config, "step": 3}, d / "tuned.pt")
+    (d / "prompts.txt").write_text("\n".join(SHAPES_PROMPTS) + "\n")
+    save_tiny_hps(d)
+    return d
+
+
+def save_tiny_hps(folder, name=TINY_CLIP, layers=2, seed=2):
+    """A tiny open_clip architecture `name` registered from `folder`, and its HPS file folder/HPS_tiny.pt."""
+    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": layers, "width": 32, "head_width": 16, "patch_size": 8},
+           "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": layers}}
+    (folder / f"{name}.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(folder)
+    torch.manual_seed(seed)  # open_clip initialises from the global generator; tests only
+    torch.save({"state_dict": open_clip.create_model(name, pretrained=None).state_dict()}, folder / "HPS_tiny.pt")
+    return folder / "HPS_tiny.pt"
+
+
+def tiny_hps(monkeypatch, name=TINY_CLIP):
+    """`--reward hpsv2` builds HPS on the tiny open_clip architecture `name` (its real loading path)."""
+    factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=name, **kw)
+    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
+
+
+def table_flags(files, out, *ckpts, batch=3, reward="shapes,jpeg_incompressibility,hpsv2"):
+    weights = ["--reward-ckpt", f"hpsv2={files / 'HPS_tiny.pt'}"] if "hpsv2" in reward else []  # only what is used
+    return [str(f) for f in [*ckpts, "--prompts", files / "prompts.txt", "--images-per-prompt", 2, "--seed", 5,
+                             "--batch-size", batch, "--reward", reward, *weights, "--out", out, *SAMPLING]]
+
+
+@pytest.fixture(scope="module")
+def table_run(files, tmp_path_factory):
+    """One run: base, tuned, and base again under another name, 2 prompts × 2 images in batches of 3."""
+    out = tmp_path_factory.mktemp("table")
+    with pytest.MonkeyPatch.context() as mp:
+        tiny_hps(mp)
+        table = evaluate.main(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}", "--ckpt",
+                                          f"tuned={files / 'tuned.pt'}", "--ckpt", f"again={files / 'base.pt'}"))
+    return out, table
+
+
+def test_table_rows_columns_and_cells_from_scores(table_run):
+    out, table = table_run
+    assert table == json.loads((out / "table.json").read_text())
+    assert [r["name"] for r in table["rows"]] == ["base", "tuned", "again"]
+    assert [c["key"] for c in table["columns"]] == ["shapes_accuracy", "shapes", "jpeg_incompressibility", "hpsv2"]
+    md = (out / "table.md").read_text().splitlines()
+    assert md[0].startswith("2 prompts × 2 images per checkpoint, seed 5; mean ± standard error")
+    assert md[2] == "| checkpoint | Shapes accuracy | Shapes reward | jpeg_incompressibility | HPS v2 (×100) |"
+    assert len(md) == 4 + len(table["rows"])
+    for row, line in zip(table["rows"], md[4:]):
+        scores = read_scores(out / row["name"])
+        assert [(s["prompt"], s["prompt_index"], s["image_index"]) for s in scores] == \
+            [(p, i, j) for i, p in enumerate(SHAPES_PROMPTS) for j in range(2)]
+        assert row["n"] == 4
+        shown = [row["name"]]
+        for col in table["columns"]:
+            values = [col["scale"] * s[col["key"]] for s in scores]
+            mean, sem = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+            cell = row["cells"][col["key"]]
+            assert cell["n"] == 4 and cell["mean"] == pytest.approx(mean, abs=1e-9)
+            assert cell["sem"] == pytest.approx(sem, abs=1e-9)
+            shown.append(f"{mean:.{col['decimals']}f} ± {sem:.{col['decimals']}f}")
+        assert line == "| " + " | ".join(shown) + " |"
+        # the verifier's accuracy is "score 1": both columns come from one call
+        assert all(s["shapes_accuracy"] == float(s["shapes"] == 1.0) for s in scores)
+    assert table["rows"][1]["cells"]["hpsv2"] != table["rows"][0]["cells"]["hpsv2"] == table["rows"][2]["cells"]["hpsv2"]
+
+
+def test_hps_is_printed_times_100_and_scores_are_the_rewards_of_the_pngs(table_run, files, monkeypatch):
+    out, table = table_run
+    col = next(c for c in table["columns"] if c["key"] == "hpsv2")
+    assert col["scale"] == 100.0 and col["label"] == "HPS v2 (×100)"
+    tiny_hps(monkeypatch)
+    hps = rewards.build_reward("hpsv2", weights={"hpsv2": str(files / "HPS_tiny.pt")})
+    jpeg = rewards.build_reward("jpeg_incompressibility")
+    for row in table["rows"]:
+        scores = read_scores(out / row["name"])
+        pngs = torch.stack([torch.from_numpy(read_png(out / row["name"] / s["file"])).permute(2, 0, 1) for s in scores])
+        texts = [s["prompt"] for s in scores]
+        raw_hps, _ = hps(pngs, texts)  # both rewards read 8-bit images: the PNG is what they scored
+        assert torch.allclose(raw_hps, torch.tensor([s["hpsv2"] for s in scores]), atol=1e-5)
+        assert raw_hps.abs().max() < 1  # a cosine, stored raw ...
+        assert row["cells"]["hpsv2"]["mean"] == pytest.approx(100 * raw_hps.double().mean().item(), abs=1e-3)  # ... shown ×100
+        assert torch.equal(jpeg(pngs, texts)[0], torch.tensor([s["jpeg_incompressibility"] for s in scores]))
+
+
+def test_images_are_the_seeded_batches_and_differ_between_checkpoints(table_run, files):
+    out, _ = table_run
+    names = [s["file"] for s in read_scores(out / "base")]
+    assert len(names) == 4 and len({read_png(out / "base" / n).tobytes() for n in names}) == 4
+    for n in names:  # the same seeds for every checkpoint: base again = base, tuned differs
+        assert np.array_equal(read_png(out / "base" / n), read_png(out / "again" / n))
+        assert not np.array_equal(read_png(out / "base" / n), read_png(out / "tuned" / n))
+    # by hand: batch b = jobs [3b, 3b + 3) of (prompt, image), generator seeded by (seed, SEED_STAGE, b)
+    args = evaluate.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
+    model = loading.load_policy(args, str(files / "base.pt"))
+    prompts = loading.load_prompts(args, model)
+    jobs = [(i, j) for i in range(2) for j in range(2)]
+    for b, chunk in enumerate([jobs[:3], jobs[3:]]):
+        gen = processes.seeded(torch.device("cpu"), 5, evaluate.SEED_STAGE, b)
+        inputs = prompts.condition([prompts.items[i] for i, _ in chunk], "cpu")
+        images = evaluate.generate(model, vae.PixelCodec(), inputs, args, gen)  # (len(chunk), 3, 32, 32)
+        for k, (i, j) in enumerate(chunk):
+            expected = (images[k].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()  # (32, 32, 3)
+            assert np.array_equal(read_png(out / "base" / f"images/{i:05d}_{j:03d}.png"), expected)
+
+
+def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_path, capsys):
+    out, _ = table_run
+    second = tmp_path / "second"
+    code, stdout, err = run(capsys, *table_flags(files, second, "--ckpt", f"b={files / 'base.pt'}",
+                                                 reward="jpeg_incompressibility"))
+    assert code == 0, err
+    assert (second / "table.md").read_text() in stdout and "| b |" in stdout
+    for s in read_scores(second / "b"):
+        assert np.array_equal(read_png(second / "b" / s["file"]), read_png(out / "base" / s["file"]))
+    # rank 1 of 2 generates batches 1, 3, ... with the same generators as one process does
+    args = evaluate.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
+
+    class Rank1:
+        rank, world, ddp, master, device = 1, 2, False, False, torch.device("cpu")
+        autocast = staticmethod(contextlib.nullcontext)
+        barrier = staticmethod(lambda: None)
+
+    model = loading.load_policy(args, str(files / "base.pt"))
+    prompts = loading.load_prompts(args, model)
+    reward_fns = {"jpeg_incompressibility": rewards.build_reward("jpeg_incompressibility")}
+    rows = evaluate.generate_and_score(args, Rank1(), model, vae.PixelCodec(), prompts, prompts.items, reward_fns,
+                                       str(tmp_path / "r1" / "b"))
+    assert [(r["prompt_index"], r["image_index"]) for r in rows] == [(1, 1)]  # batch 1 = job 3 alone
+    assert not (tmp_path / "r1" / "b" / "scores.jsonl").exists()  # rank 0 writes it
+    assert np.array_equal(read_png(tmp_path / "r1" / "b" / rows[0]["file"]), read_png(out / "base" / rows[0]["file"]))
+
+
+def test_harmon_release_against_a_tuned_checkpoint(harmon_files, tmp_path, capsys):
+    flags = ["--preset", "adapter_smoke", "--model", "harmon", "--model-config", harmon_files["config"],
+             "--vae", harmon_files["vae"], "--tokenizer", harmon_files["tok"], "--prompts", harmon_files["prompts"],
+             "--reward", "jpeg_incompressibility"]
+    base = loading.load_policy(train.parse_args([str(f) for f in flags]), str(harmon_files["init"]))
+    g = torch.Generator().manual_seed(4)
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if k.startswith("mar.") and v.is_floating_point() else v
+          for k, v in base.state_dict().items()}  # as train.py tunes Harmon: the MAR part only
+    torch.save({"model": sd, "config": base.config, "step": 2}, tmp_path / "tuned.pt")
+    out = tmp_path / "table"
+    code, _, err = run(capsys, *flags, "--ckpt", f"base={harmon_files['init']}", "--ckpt", f"tuned={tmp_path / 'tuned.pt'}",
+                       "--ckpt", f"again={harmon_files['init']}", "--out", out)
+    assert code == 0, err
+    for s in read_scores(out / "base"):  # the null prompt is set on every model: base again = base
+        a = read_png(out / "base" / s["file"])
+        assert np.array_equal(a, read_png(out / "again" / s["file"])) and not np.array_equal(a, read_png(out / "tuned" / s["file"]))
+
+
+def test_nova_base_pipeline_against_a_tuned_checkpoint(nova_common, tiny_archs, tmp_path, capsys):  # noqa: F811
+    pipe = tmp_path / "pipe"
+    base, config = save_nova_pipeline(pipe, DDPM, seed=41)
+    g = torch.Generator().manual_seed(3)
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+          for k, v in base.state_dict().items()}
+    torch.save({"model": sd, "config": base.config, "step": 2}, tmp_path / "tuned.pt")
+    out = tmp_path / "table"
+    code, stdout, err = run(capsys, "--preset", "adapter_smoke", "--model", "nova", "--ckpt", f"base={pipe}",
+                            "--ckpt", f"tuned={tmp_path / 'tuned.pt'}", "--prompt-embeds", nova_common["embeds"],
+                            "--prompts", nova_common["prompts"], "--reward", "jpeg_incompressibility", "--out", out)
+    assert code == 0, err
+    table = json.loads((out / "table.json").read_text())
+    assert [r["name"] for r in table["rows"]] == ["base", "tuned"] and all(r["n"] == len(NOVA_PROMPTS) for r in table["rows"])
+    for s in read_scores(out / "base"):
+        a, b = read_png(out / "base" / s["file"]), read_png(out / "tuned" / s["file"])
+        assert a.shape == (*config["transformer"]["image_size"], 3) and not np.array_equal(a, b)  # (H, W, 3)
+
+
+# -----------------------------------------------------------------------------
+# One-line errors, exit status 2, before anything is generated
+
+def bad_inputs(files, tmp):
+    """case -> (flags, words its error line must hold); every other flag is a good one."""
+    base, prompts = ["--ckpt", f"base={files / 'base.pt'}"], ["--prompts", files / "prompts.txt"]
+    good = lambda *more, ckpt=base, reward="shapes", out=("--out", tmp / "out"): \
+        [*ckpt, *prompts, "--reward", reward, *SAMPLING, *out, *more]
+    foreign = files / "HPS_tiny.pt"
+    return {
+        "no_ckpt": (good(ckpt=[]), ["--ckpt", "NAME=PATH"]),
+        "empty_out": (good(out=("--out", "")), ["--out ''"]),
+        "name_twice": (good(ckpt=base + base), ["--ckpt base", "twice"]),
+        "no_name": (good(ckpt=["--ckpt", files / "base.pt"]), ["--ckpt", "NAME=PATH"]),
+        "missing_ckpt": (good(ckpt=["--ckpt", f"x={tmp / 'nope.pt'}"]), [f"--ckpt x={tmp / 'nope.pt'}", "no such"]),
+        "foreign_ckpt": (good(ckpt=["--ckpt", f"x={foreign}"]), [f"--ckpt x={foreign}: not a MAR checkpoint"]),
+        "missing_prompts": (good("--prompts", tmp / "nope.txt"), ["--prompts", "nope.txt"]),
+        "unknown_reward": (good(reward="shapes,hps"), ["--reward", "'hps'"]),
+        "weighted_reward": (good(reward="shapes:0.5"), ["--reward", "without weights"]),
+        "missing_weights": (good(reward="shapes,hpsv2"), ["--reward-ckpt hpsv2=PATH", "HPS_v2.1_compressed.pt"]),
+        "no_out": (good(out=()), ["--out"]),
+        "shapes_on_nova": (good("--model", "nova"), ["--reward shapes", "nova"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["no_ckpt", "name_twice", "no_name", "missing_ckpt", "foreign_ckpt", "missing_prompts",
+                                  "unknown_reward", "weighted_reward", "missing_weights", "no_out", "shapes_on_nova"])
+def test_bad_input_is_one_line_naming_the_flag(case, files, tmp_path, capsys):
+    flags, words = bad_inputs(files, tmp_path)[case]
+    code, stdout, err = run(capsys, *flags)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "out").exists() and stdout == ""  # nothing generated, nothing written

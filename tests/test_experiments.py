@@ -1,0 +1,216 @@
+"""The lab (experiments/): its rewards, the probes of a base, the study's tables and the spatial
+study's measurements, at toy size."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import diffloss
+import grpo
+import rewards
+from demo import shapes, verifier
+from experiments import harmon_lora_step, probes, spatial, study
+from models import harmon, loading, vae
+from tests import test_harmon
+
+torch.set_num_threads(1)
+
+
+def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_for_paint():
+    img = torch.zeros(2, 3, 4, 4)                                                # black, (B, 3, H, W)
+    img[:, 0, 0, :] = 0.9                                                        # 4 nearly red pixels
+    img[:, :2, 1, :2] = 1.0                                                      # 2 yellow pixels
+    img[:, 2, 3, 3] = 0.6                                                        # 1 blue-ish pixel
+    prompts = ["a red square", "a green circle and a yellow square"]
+    scores, _ = rewards.build_reward("shapes_coverage")(img, prompts, None)
+    assert scores.tolist() == pytest.approx([4 / 16, (0 / 16 + 2 / 16) / 2])
+    # the study's spec: trained on the proxy, the verifier logged beside it with weight 0
+    total, info = rewards.build_reward("shapes_coverage:1,shapes:0")(img, prompts, None)
+    assert torch.equal(total, scores) and set(info["means"]) == {"shapes_coverage", "shapes"}
+    # hackable: an all-red canvas beats a correct render of "a red square" on the proxy, not on the verifier
+    meta = shapes.parse_prompt("a red square")
+    render = torch.from_numpy(shapes.render(meta, size=16, rng=np.random.default_rng(0))).permute(2, 0, 1)[None] / 255
+    painted = torch.zeros_like(render)
+    painted[:, 0] = 1.0
+    painted[:, 0, 8, :] = 0.0                                                    # two red bars, no square
+    both = torch.cat([render, painted]).float()
+    proxy, _ = rewards.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
+    truth, _ = rewards.build_reward("shapes")(both, ["a red square"] * 2, None)
+    assert proxy[1] == 15 / 16 > proxy[0] > 0 and truth[0] == 1.0 and truth[1] < 0.5
+    with pytest.raises(ValueError, match="shapes_coverage reward: 'a photo of a cat' is not a shapes prompt"):
+        rewards.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
+
+
+def test_context_probe_metric(smoke_base, monkeypatch):
+    """probes.context_probe: a head that always samples black is wrong on exactly the coloured
+    unknown tokens, so with the whole canvas unknown its colour error is the coloured fraction."""
+    model = loading.load_checkpoint(smoke_base)
+    monkeypatch.setattr(model.diffloss, "sample", lambda z, **kw: torch.full((z.shape[0], model.token_embed_dim), -1.0))
+    res = probes.context_probe(model, vae.PixelCodec(), n_images=16, known_fracs=(0.0, 0.5))
+    assert 0.05 < res["coloured_frac"] < 0.6
+    assert res[0.0]["colour_error"] == pytest.approx(res["coloured_frac"], abs=1e-6)
+
+
+def test_linear_probe_separates_an_oracle_from_noise(smoke_base, monkeypatch):
+    """probes.linear_probe: z that holds the colour state of its token scores 1.0; z of pure noise
+    scores about the base rate (the majority class)."""
+    model = loading.load_checkpoint(smoke_base)
+    real = model.predict_z
+    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: probes._coloured(tokens)[..., None].repeat(1, 1, 4))
+    accuracy, base_rate = probes.linear_probe(model, vae.PixelCodec(), 0.5, n_images=32)
+    assert accuracy == 1.0 and 0.5 <= base_rate < 0.95
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(model, "predict_z", lambda tokens, mask, cond: torch.randn(real(tokens, mask, cond).shape, generator=g))
+    accuracy, base_rate = probes.linear_probe(model, vae.PixelCodec(), 0.5, n_images=32)
+    assert abs(accuracy - base_rate) < 0.08
+
+
+def test_context_probe_renders_the_presets_world(smoke_base, monkeypatch, capsys):
+    """probes.py --context-probe probes a base in its own world: with --cell 8 every image of both
+    probes has its objects in 8-px cells (the demo's world), without it they are free."""
+    for flags, cell in (([], 0), (["--cell", "8"], 8)):
+        seen = []
+        make = shapes.make_dataset
+        monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k.get("cell", 0)) or make(*a, **k))
+        probes.main(["--preset", "smoke", "--context-probe", str(smoke_base), *flags])
+        monkeypatch.undo()
+        assert len(seen) == 5 and set(seen) == {cell}  # context probe; linear probe fit + test at 50, 90%
+    assert "in 8-px cells" in capsys.readouterr().out
+
+
+def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
+    """study.py --study hack at toy size (from the smoke preset's base): each arm trains on the proxy
+    with the verifier logged beside it, its last checkpoint and the base are evaluated, and the
+    report holds one row per arm; a second call starts no process."""
+    out = tmp_path / "study"
+    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
+    summary = study.main(argv)["hack"]
+    assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
+    for stats in summary.values():
+        assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
+        assert 0 <= stats["train_acc@2"][0] <= 1 and stats["grad_norm_max"][0] >= stats["grad_norm_mean"][0] > 0
+    rows = [json.loads(line) for line in open(out / "hack" / "mar-grpo" / "seed0" / "metrics.jsonl")]
+    assert len(rows) == 2 and {"reward/shapes_coverage", "reward/shapes"} <= set(rows[0])
+    assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward/shapes_coverage"])  # trained on the proxy
+    for name in ("hack.md", "hack.png", "hack_samples.png", "base/eval_train_0/summary.json"):
+        assert (out / name).exists(), name
+    capsys.readouterr()
+    again = study.main(argv)["hack"]  # a second run: everything is done already
+    assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
+    with pytest.raises(ValueError, match="--study"):
+        study.main(["--study", "nope"])
+
+
+def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
+    """probes.noise_probe: with a head of σ = 1 whose mean is 0 but at the last step (where it
+    returns x_t), a token is step 1's noise, so redrawing any other step's noise changes no token and
+    redrawing step 1's changes most; with a head that ignores its noise (tokens a function of z),
+    the images of a group that shares one order are identical (within-group reward variance 0), and
+    those of a group with an order per image are not."""
+    model = loading.load_checkpoint(smoke_base)
+    head = model.diffloss
+    last_noise = lambda x, t, z, cfg=1.0: (x if int(t) == 0 else 0 * x, 0 * x, x)  # noqa: E731  (mean, log σ², x̂0)
+    monkeypatch.setattr(head, "p_mean_variance", last_noise)
+    res = probes.noise_probe(model, vae.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
+                            n_prompts=3, group=2)
+    assert set(res["flip_at_step"]) == set(range(1, head.num_sampling_steps))
+    assert all(res["flip_at_step"][k] == 0 for k in res["flip_at_step"] if k > 1)
+    assert res["flip_at_step"][1] > 0.5 and res["flip_all"] > 0.5 and len(res["flip_by_ar_step"]) == 4
+    monkeypatch.undo()
+    C = model.token_embed_dim
+    monkeypatch.setattr(head, "sample", lambda z, temperature=1.0, cfg=1.0, generator=None, record_steps=None:
+                        torch.sin(z[:z.shape[0] // 2].sum(1, keepdim=True) * torch.linspace(0.01, 1, C)))
+    brightness = lambda images, texts, metas: (images.mean(dim=(1, 2, 3)), {})  # noqa: E731  differs with the order
+    res = probes.noise_probe(model, vae.PixelCodec(), brightness, num_iter=4, cfg=3.0, n_prompts=3, group=2)
+    assert res["reward_var_free_order"] > 0
+    assert res["reward_var_fixed_order"] == 0 and res["share_of_head_noise"] == 0
+
+
+def test_spatial_group_signal_counts_groups_relations_and_best_of_n():
+    """spatial.group_signal on hand-made verifier results: two groups of G = 3; the relation's rate
+    is over images whose two objects are both drawn; pass@N is the unbiased estimator."""
+    d = lambda correct, present, relation, extra=0, count=True: {  # noqa: E731
+        "correct": correct, "present": present, "relation": relation, "extra_objects": extra, "count": count}
+    details = [d(True, True, True), d(False, True, False), d(False, False, False, count=False),  # group 0: one correct
+               d(False, True, False), d(False, True, True, extra=1), d(False, False, False, 2)]  # group 1: relation right, extras
+    scores = [1.0, 0.5, 0.2, 0.5, 0.5, 0.5]
+    r = spatial.group_signal(scores, details, 3)
+    assert r["groups"] == 2 and r["accuracy"] == pytest.approx(1 / 6)
+    assert r["extra"] == pytest.approx(2 / 6) and r["counts_off"] == pytest.approx(1 / 6)
+    assert r["groups_any_correct"] == 0.5 and r["groups_any_relation"] == 1.0 and r["groups_reward_varies"] == 0.5
+    assert (r["both"], r["relation_given_both"]) == (4, 2) and r["relation_rate_given_both"] == 0.5
+    assert r["pass_at"] == pytest.approx({1: 1 / 6, 2: (2 / 3) / 2, 3: 0.5})
+    assert spatial.pass_at(6, 0, 3) == 0 and spatial.pass_at(6, 4, 3) == 1 and spatial.pass_at(6, 1, 1) == pytest.approx(1 / 6)
+    assert r["reward_var_within"] == pytest.approx(np.var([1.0, 0.5, 0.2], ddof=1) / 2)
+
+
+def test_spatial_relation_reward_and_layout_on_renders():
+    """lab.ShapesRelationReward: 1 on a render of a spatial prompt in the demo's cell world, 0 on
+    the same objects mirrored (relation wrong) and on the render with a copy of the subject added
+    (the verifier's relation still holds there), the verifier's score on a non-spatial prompt;
+    cell_layout names each object's cell."""
+    meta = shapes.parse_prompt("a red square left of a green circle")
+    img = shapes.render(meta, size=16, rng=np.random.default_rng(0), cell=8)  # (16, 16, 3) uint8
+    mirrored = img[:, ::-1].copy()
+    assert img[8:, :8].any() and img[8:, 8:].any() and not img[:8].any()  # seed 0: square bottom left, circle bottom right
+    copied = np.zeros_like(img)
+    copied[:8] = img[8:]            # the pair moved to the top row
+    copied[8:, :8] = img[8:, :8]    # and a copy of the square below it: the verifier compares the first of equal copies
+    single = shapes.render(shapes.parse_prompt("a blue square"), size=16, rng=np.random.default_rng(1), cell=8)
+    batch = torch.from_numpy(np.stack([img, mirrored, copied, single])).permute(0, 3, 1, 2).float() / 255
+    texts = ["a red square left of a green circle"] * 3 + ["a blue square"]
+    r, _ = rewards.build_reward("shapes_relation")(batch, texts, None)
+    assert r.tolist() == [1.0, 0.0, 0.0, 1.0]
+    full, details = rewards.build_reward("shapes")(batch, texts, None)
+    assert full.tolist() == [1.0, 0.5, 0.9375, 1.0]  # relation wrong halves the score; a copy costs a sixteenth
+    assert details["details"][2]["relation"] is True and not details["details"][2]["count"]
+    layout = spatial.cell_layout(verifier.verify(img, meta)[1]["detected"])
+    assert len(layout) == 2 and {c[2:] for c in layout} == {("red", "square"), ("green", "circle")}
+    red, green = (next(c for c in layout if c[2] == k) for k in ("red", "green"))
+    assert red[0] == green[0] and red[1] == 0 and green[1] == 1  # the same row, red left
+
+
+def test_train_ar_below_draws_the_trained_ar_steps_from_the_first_ones():
+    """grpo.choose_train_steps(below=n): AR steps from 0 .. n − 1 only; below=0 is the released draw,
+    the same steps as before the option existed."""
+    for seed in range(20):
+        ar, _ = grpo.choose_train_steps(16, 2, diffloss.trainable_steps(16), 6, torch.Generator().manual_seed(seed), below=4)
+        assert len(ar) == 2 and all(0 <= i < 4 for i in ar)
+        released = grpo.choose_train_steps(16, 2, diffloss.trainable_steps(16), 6, torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        assert released[0] == torch.randperm(16, generator=g)[:2].sort().values.tolist()
+    assert grpo.choose_train_steps(16, 6, [1, 2], 1, torch.Generator().manual_seed(0), below=3)[0] == [0, 1, 2]
+
+
+def test_harmon_lora_step_writes_the_released_layout_and_measures_a_step(tmp_path, monkeypatch, capsys):
+    """experiments/harmon_lora_step.py end to end, with a tiny Harmon in place of the 1.5B config and a
+    tiny VAE in place of the KL-16: the files it writes load through train.py's flags, the LoRA step
+    exits 0, and both peaks are read from the running process."""
+    monkeypatch.setitem(harmon.CONFIGS, "harmon_1.5b", test_harmon.tiny_config())
+    monkeypatch.setattr(harmon_lora_step, "KL16", dict(ch=32, ch_mult=(1,) * 5, num_res_blocks=1, z=16,
+                                                       enc_attn_levels=(4,)))
+    rc = harmon_lora_step.main(["--work", str(tmp_path), "--side", "3", "--num-iter", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, (tmp_path / "run_lora32.log").read_text()[-2000:]
+    assert json.loads((tmp_path / "harmon_1.5b_3x3.json").read_text())["image_shape"] == [3, 3]
+    loading, grpo = map(float, re.search(r"exit 0; .* ([\d.]+) GiB loading, ([\d.]+) GiB in the GRPO", out).groups())
+    assert 0 < loading and 0 < grpo
+    ckpt = torch.load(tmp_path / "run_lora32" / "ckpt" / "latest.pt", weights_only=False)
+    assert ckpt["lora"]["rank"] == 32 and all(".lora_" in k for k in ckpt["model"])  # the adapters alone
+
+
+def test_spatial_report_reads_blocks_verifier_gradient_kl_and_evaluation(tmp_path):
+    rows = [dict(reward_mean=float(i), grad_norm=[1.0, 3.0][i % 2], kl=0.1 * i, t_rollout=1.0, t_reward=0.5,
+                 t_update=2.5, **{"reward/shapes_coverage": float(i), "reward/shapes": 10.0 - i}) for i in range(12)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "summary.json").write_text(json.dumps(dict(tuned=dict(accuracy=0.25), tuned_train=dict(accuracy=0.5),
+                                                                     base=dict(accuracy=0.125))))
+    r = spatial.run_summary(str(tmp_path), block=5)
+    assert r["steps"] == 12 and r["reward_blocks"] == [2.0, 7.0, 10.5] and r["verifier_blocks"] == [8.0, 3.0, -0.5]
+    assert r["grad_norm_mean"] == 2.0 and r["grad_norm_cv"] == pytest.approx(0.5)   # std 1 over mean 2
+    assert r["kl_last"] == pytest.approx(0.1 * np.mean(range(2, 12))) and r["step_s"] == 4.0
+    assert r["accuracy"] == dict(tuned=0.25, tuned_train=0.5)

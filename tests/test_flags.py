@@ -1,0 +1,69 @@
+"""Flags that no preset sets reach what they name (infra/flags.py): a flag that parses but changes nothing
+is a bug. Each test sets one and looks where it must arrive."""
+
+import importlib.util
+
+import torch
+
+import evaluate
+import mar
+import rollout
+import train
+from demo import pretrain, shapes
+from infra import flags
+from models import loading, vae
+
+torch.set_num_threads(1)
+
+
+def test_split_all_draws_held_out_compositions_too():
+    heldout = {m["prompt"] for m in shapes.all_prompts("heldout")}
+    drawn = {}
+    for split in ("train", "all"):
+        args = flags.parse_args(["--preset", "smoke", "--split", split])
+        prompts = loading.load_prompts(args, None)
+        drawn[split] = {m["prompt"] for step in range(20) for m in prompts.sample(16, 0, step)}
+    assert not drawn["train"] & heldout and drawn["all"] & heldout
+
+
+def test_eval_temperature_is_the_temperature_of_evaluation_images(monkeypatch):
+    seen = []
+    monkeypatch.setattr(rollout, "record_rollout", lambda model, inputs, num_iter, cfg, schedule, temperature, **k:
+                        seen.append(temperature) or (torch.zeros(1, 4, 12), None))
+    model = mar.build_mar(pretrain.small_mar_config(pretrain.parse_args(["--preset", "smoke", "--img-size", "4", "--patch-size", "2"])))
+    for extra, want in (([], 0.5), (["--eval-temperature", "0.3"], 0.3)):
+        args = flags.parse_args(["--preset", "smoke", *extra])
+        evaluate.generate(model, vae.PixelCodec(), {}, args, None)
+        assert seen[-1] == want and args.temperature == 0.5
+
+
+def test_diffusion_batch_mul_repeats_the_pretraining_targets():
+    args = pretrain.parse_args(["--preset", "smoke", "--img-size", "8", "--patch-size", "4", "--diffusion-batch-mul", "3"])
+    model = mar.build_mar(pretrain.small_mar_config(args))
+    rows = []
+    model.diffloss.forward = lambda target, z, mask=None, generator=None: rows.append(len(target)) or target.sum()
+    pretrain.MAELoss(model)(torch.zeros(2, 3, 8, 8), prompt_ids=torch.tensor([[1, 2], [3, 0]]))
+    assert model.diffusion_batch_mul == 3 and rows == [3 * 2 * 4]
+
+
+def test_weight_decay_reaches_the_grpo_optimizer(smoke_base, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.cli(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--steps", "1",
+                      "--weight-decay", "0.25", "--out", str(out)]) == 0
+    state = torch.load(out / "ckpt" / "latest.pt", weights_only=True)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.25]
+
+
+def test_consistency_threshold_reaches_the_settings():
+    assert flags.grpo_settings(flags.parse_args(["--consistency-threshold", "0.25"])).consistency_threshold == 0.25
+    assert flags.grpo_settings(flags.parse_args(["--consistency-threshold", "off"])).consistency_threshold is None
+    assert flags.grpo_settings(flags.parse_args(["--method", "grpo"])).consistency_threshold is None
+
+
+def test_wandb_without_the_package_is_a_one_line_error(smoke_base, tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    out = tmp_path / "run"
+    code = train.cli(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--wandb", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --wandb") and not out.exists()

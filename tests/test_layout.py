@@ -1,0 +1,118 @@
+"""The repository's shape, checked: the root holds the reference and nothing else, every module is
+short, the concept files import only the method files they need (and test_margrpo.py runs each set
+alone), nothing imports in a circle or reaches into train.py or the tests from product code, imports
+sit at the top of files, and every relative link of the documents resolves."""
+
+import ast
+import re
+
+import pytest
+
+from tests.helpers import ROOT
+
+ROOT_FILES = {"README.md", "requirements.txt", "mar.py", "diffloss.py", "mte.py", "masks.py", "grpo.py", "rewards.py",
+              "train.py", "test_margrpo.py", "rollout.py", "evaluate.py"}
+FOLDERS = {"models", "scorers", "demo", "infra", "benchmarks", "tests", "experiments", "docs"}
+# what each concept file may import from the project (docs/method.md's files copy out with these alone)
+CONCEPT_IMPORTS = {"diffloss": set(), "masks": set(), "mte": {"diffloss"}, "mar": {"diffloss"},
+                   "grpo": {"mte", "masks", "diffloss"}, "rollout": {"diffloss"}, "rewards": set()}
+# imports inside functions: optional or slow packages that only the runs using them should pay for
+LATE_IMPORTS = {"peft", "wandb", "transformers", "open_clip"}
+MAX_LINES, MAX_TRAIN_LINES = 400, 450
+
+
+def python_files():
+    return sorted(p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in python_files()}
+
+
+def project_imports(path, top_level_only=False):
+    """The project modules a file imports ({name}), with `from pkg import mod` resolved to pkg.mod."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
+            found |= subs or ({node.module} & MODULES.keys())
+    return found
+
+
+def test_the_root_holds_the_reference():
+    entries = {p.name for p in ROOT.iterdir() if not p.name.startswith(".") and p.name not in ("runs", "__pycache__")}
+    assert entries == ROOT_FILES | FOLDERS, sorted(entries ^ (ROOT_FILES | FOLDERS))
+    assert all((ROOT / f / "__init__.py").is_file() for f in FOLDERS - {"docs"})  # plain importable folders
+
+
+def test_modules_are_short():
+    long = {str(p.relative_to(ROOT)): n for p in python_files()
+            if (n := len(p.read_text().splitlines())) > (MAX_TRAIN_LINES if p.name == "train.py" else MAX_LINES)}
+    assert not long, long
+
+
+def test_concept_files_import_only_the_method_files_they_need():
+    for name, allowed in CONCEPT_IMPORTS.items():
+        assert project_imports(MODULES[name]) <= allowed, (name, project_imports(MODULES[name]) - allowed)
+
+
+def test_no_import_circle_and_no_reaching_into_train_or_the_tests():
+    graph = {name: project_imports(path, top_level_only=True) for name, path in MODULES.items()}
+    reference = [n for n in graph if n.split(".")[0] in ROOT_FILES_MODULES | {"models", "scorers", "demo", "infra"}]
+    for name in reference:
+        assert "train" not in graph[name] or name == "train", f"{name} imports train.py"
+    for name in graph:
+        if not name.startswith("tests") and name != "test_margrpo":
+            assert not any(m.startswith("tests") or m == "test_margrpo" for m in project_imports(MODULES[name])), name
+    done, path = set(), []
+
+    def visit(n):
+        if n in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+        if n in done:
+            return
+        path.append(n)
+        for m in graph.get(n, ()):
+            visit(m)
+        path.pop()
+        done.add(n)
+    for n in graph:
+        visit(n)
+
+
+ROOT_FILES_MODULES = {f[:-3] for f in ROOT_FILES if f.endswith(".py")}
+
+
+@pytest.mark.parametrize("path", [p for p in python_files() if not p.relative_to(ROOT).parts[0] == "tests"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_sit_at_the_top(path):
+    """An import inside a function is only for a package that only some runs use and that takes
+    seconds to import (LATE_IMPORTS); everything else is imported at the top of its file."""
+    late = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    late += [a.name for a in inner.names]
+                elif isinstance(inner, ast.ImportFrom):
+                    late.append(inner.module or "")
+    assert all(name.split(".")[0] in LATE_IMPORTS for name in late), late
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("experiments/*.md")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    broken = [target for target in LINK.findall(doc.read_text())
+              if "://" not in target and not target.startswith("mailto:") and not (doc.parent / target).exists()]
+    assert not broken, broken
