@@ -297,10 +297,19 @@ def table_markdown(table):
     return "\n".join(lines) + "\n"
 
 
+def load_checkpoint(args, name, path):
+    """The policy of `--ckpt name=path` on the CPU, frozen (loading.load_policy: a base, a GRPO
+    checkpoint over its base, or LoRA adapters on theirs); a bad file is one line naming --ckpt."""
+    try:
+        return loading.load_policy(args, path, f"--ckpt {name}").requires_grad_(False)
+    except (ValueError, FileNotFoundError) as e:  # "--ckpt NAME PATH: why" -> "--ckpt NAME=PATH: why", as it was given
+        raise type(e)(str(e).replace(f"--ckpt {name} {path}", f"--ckpt {name}={path}")) from None
+
+
 def main(argv=None):
-    """`python evaluate.py ...`: check the inputs, build the rewards, then for each checkpoint in
-    turn load, generate, score and write; rank 0 writes and prints the table. Returns the table
-    dict (also DIR/table.json); an empty dict on ranks > 0."""
+    """`python evaluate.py ...`: check the inputs, build the rewards, read and check every checkpoint,
+    then for each in turn load, generate, score and write; rank 0 writes and prints the table.
+    Returns the table dict (also DIR/table.json); an empty dict on ranks > 0."""
     args = parse_table_args(argv)
     ctx = processes.Ctx(args)
     if args.compbench:  # one score per image, its category's (scorers/compbench.py)
@@ -311,15 +320,17 @@ def main(argv=None):
         names = reward_names(args.reward)
         reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}
         columns, notes = table_columns(names), []
-    table, codec = None, None
+    # --- every checkpoint (and the prompts and codec it needs) read and checked before the first image:
+    #     each loaded on the CPU in turn and freed; the images below load it again
+    for k, (name, path) in enumerate(args.ckpts):
+        model = load_checkpoint(args, name, path)
+        loading.load_prompts(args, model)
+        if k == 0:  # the flags that describe the model say what the first checkpoint is (table.json's args)
+            loading.describe(args, model, flags.given(sys.argv[1:] if argv is None else [str(a) for a in argv]))
+    codec = loading.load_codec(args, None, ctx.device)
+    table = None
     for name, path in args.ckpts:
-        # --- load one checkpoint at a time (a wrong-shaped later one fails after the earlier rows)
-        try:
-            model = loading.load_policy(args, path).to(ctx.device).requires_grad_(False)
-        except (ValueError, FileNotFoundError) as e:
-            raise type(e)(f"--ckpt {name}={path}: " + str(e).replace(f"--init {path}: ", "").replace("--init: ", "")) from None
-        if codec is None:
-            codec = loading.load_codec(args, model, ctx.device)
+        model = load_checkpoint(args, name, path).to(ctx.device)
         prompts = loading.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
         items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
         if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
@@ -331,7 +342,7 @@ def main(argv=None):
                          args={k: v for k, v in vars(args).items() if k != "ckpts"})
         # --- generate and score; the row's mean ± SEM per column
         rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, os.path.join(args.out, name))
-        table["rows"].append(table_row(name, path, rows, columns))
+        table["rows"].append({**table_row(name, path, rows, columns), "model": model.config})
         del model  # before the next one is loaded
     if not ctx.master:
         return {}

@@ -45,7 +45,7 @@ import masks
 import mte
 import rewards
 import rollout
-from infra import checkpoints, figures, fsdp, lora, processes
+from infra import checkpoints, figures, flags, fsdp, lora, processes
 from infra.flags import check_inputs, parse_args
 from infra.processes import Ctx, Stop, all_finite
 from models import loading
@@ -64,6 +64,9 @@ def load_base(args, ctx, init):
     """The base policy from `init` (on ctx.device, frozen), its codec and the prompts; a missing,
     corrupt or mismatched checkpoint, VAE or prompt file fails in this call, before anything is written."""
     base = loading.load_policy(args, init).to(ctx.device).requires_grad_(False)
+    if lora.settings(base) and not args.eval_only:
+        raise ValueError(f"--init {init}: holds LoRA adapters over their base; continue their run with --resume, or "
+                         f"start a new one from them merged into a whole checkpoint (python -m models.merge_lora {init} OUT.pt)")
     return base, loading.load_codec(args, base, ctx.device), loading.load_prompts(args, base)
 
 
@@ -260,10 +263,11 @@ def skip_or_stop(args, ctx, step, bad_steps, bad_total):
                    f"the last good checkpoint: {last}")
 
 
-def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, stops, wandb=None):
+def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, stops, run_config, wandb=None):
     """RL from the base policy `base` (on ctx.device; it stays frozen as the reference of the KL);
-    checkpoints (the trained parameters over `base_path`), samples and metrics under args.out (and to
-    `wandb`, a started wandb module, on rank 0 with --wandb). Returns the final checkpoint path.
+    config.json (`run_config`), checkpoints (the trained parameters over `base_path`), samples and
+    metrics under args.out (and to `wandb`, a started wandb module, on rank 0 with --wandb). Returns
+    the final checkpoint path.
 
     Each rank's share of a step's prompts runs as --grad-accum micro-batches whose gradients add up
     before the one optimizer step, drawn exactly as world × --grad-accum processes would draw them.
@@ -283,7 +287,7 @@ def grpo_train(args, ctx, settings, base, base_path, codec, prompts, reward_fn, 
         if start:
             ctx.print0(f"resumed from step {start}")
     if ctx.master:  # the run's first write
-        checkpoints.start_run_folder(args.out, start, args.keep_last, {**vars(args), "grpo": vars(settings), "world_size": ctx.world})
+        checkpoints.start_run_folder(args.out, start, args.keep_last, run_config)
     ctx.barrier()
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × G={args.group_size}, "
                f"world size {ctx.world}" + (f" × {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
@@ -357,6 +361,7 @@ def evaluate_base_and_tuned(args, ctx, base, final, codec, prompts, reward_fn):
 def main(argv=None):
     """The whole run: check the inputs, load what they name, and only then write. Returns the
     evaluation summary, or None."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
     ctx = Ctx(args)
     settings = check_inputs(args, ctx.world)
@@ -365,10 +370,13 @@ def main(argv=None):
     reward_fn = rewards.build_reward(args.reward, device=ctx.device,
                                      weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
     base, codec, prompts = load_base(args, ctx, args.init)
+    loading.describe(args, base, flags.given(argv))  # the flags that describe the model say what it is
+    run_config = {**vars(args), "grpo": vars(settings), "world_size": ctx.world, "model": base.config,
+                  "base": loading.base_record(args.init)}  # config.json: the run as it runs
     wandb = None
     if args.wandb and ctx.master:
         import wandb  # optional (not in requirements.txt): only --wandb runs import it; flags.check_inputs checked it exists
-        wandb.init(project="mar-grpo", config=vars(args))
+        wandb.init(project="mar-grpo", config=run_config)
 
     lock = checkpoints.take_run_folder(args.out, ctx)  # the first write: from now on this run alone writes --out
     try:  # SIGINT / SIGTERM now ask the training loop to stop at a step boundary
@@ -378,7 +386,7 @@ def main(argv=None):
                                             prompts, reward_fn, args.out, "eval")
                 ctx.print0(json.dumps(summary, indent=1) + f"\nresults: {os.path.join(args.out, 'results.jsonl')}")
                 return summary
-            final = grpo_train(args, ctx, settings, base, args.init, codec, prompts, reward_fn, stops, wandb)
+            final = grpo_train(args, ctx, settings, base, args.init, codec, prompts, reward_fn, stops, run_config, wandb)
             if args.eval_prompts > 0:
                 return evaluate_base_and_tuned(args, ctx, base, final, codec, prompts, reward_fn)
             return None

@@ -43,7 +43,7 @@ from matplotlib.figure import Figure
 from demo import shapes, verifier
 from diffloss import reverse_sample
 from experiments import lab  # noqa: F401  (registers the reward shapes_relation, the flag --train-ar-below)
-from infra import flags, processes
+from infra import checkpoints, flags, processes
 from infra.figures import save_grid
 from infra.prompts import Prompts
 from models import loading, vae
@@ -322,6 +322,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--json", default=None, help="also write the result here")
     opts, rest = p.parse_known_args(argv)
+    for flag, path in (("--write-prompts", opts.write_prompts), ("--json", opts.json), ("--plot", opts.plot),
+                       ("--grid", opts.grid and opts.grid + "_x.png")):  # where this run will write: writable first
+        if path is not None:
+            checkpoints.check_writable(os.path.dirname(os.path.abspath(path)), flag)
     if opts.report:
         res = {}
         for run in opts.report:

@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from experiments import lab
-from infra import flags, processes
+from infra import checkpoints, flags, processes
 from infra.figures import save_grid
 
 # The study (experiments/study.md): GRPO from the demo's shipped base on four fixed training prompts, one
@@ -116,14 +116,20 @@ def study(opts, extra):
     train.py call, --study-train-flags only to the GRPO runs."""
     root = opts.study_out
     extra = ["--preset", opts.preset] + extra
-    os.makedirs(root, exist_ok=True)
-    prompt_file = os.path.join(root, "prompts.txt")
-    with open(prompt_file, "w") as f:
-        f.write("\n".join(STUDY_PROMPTS) + "\n")
     py = [sys.executable, "-m", lab.__name__]  # train.py, with the lab's presets and rewards
     base = flags.PRESETS[opts.preset].get("init")
     if base is None or not os.path.exists(base):
         raise FileNotFoundError(f"--preset {opts.preset}: its base {base} is missing (the study starts from a preset's base)")
+    for name in opts.study:  # every run's flags parse before the first run starts (a bad one: one line, nothing written)
+        spec = _table(opts, name)
+        for arm_flags in spec["arms"].values():
+            flags.parse_args(extra + arm_flags + (["--lr", spec["lr"]] if spec["lr"] else [])
+                             + (["--reward", spec["reward"]] if spec["reward"] else []) + opts.study_train_flags.split())
+    checkpoints.check_writable(root, "--study-out")
+    os.makedirs(root, exist_ok=True)
+    prompt_file = os.path.join(root, "prompts.txt")
+    with open(prompt_file, "w") as f:
+        f.write("\n".join(STUDY_PROMPTS) + "\n")
 
     def evals(ckpt, out, k):  # held-out prompts (stratified), then the study's prompts × 24 images
         cmds = []

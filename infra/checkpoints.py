@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import socket
 import sys
@@ -30,26 +31,45 @@ from infra import fsdp
 
 def read_checkpoint(path, flag="--init", mmap=False):
     """torch.load(weights_only=True) on the CPU, with `argparse.Namespace` allowed (official MAR
-    files pickle their args); a missing, truncated or foreign file raises a one-line error naming
-    `flag` and path."""
+    files pickle their args); a missing, cut short or foreign file raises a one-line error naming
+    `flag` and path and saying why (`unreadable`)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: a folder, not a checkpoint file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag}: no such file: {path}")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns of pickle protocols before it refuses a file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # corrupt, truncated, or not a torch file
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{flag} {path}: cannot read checkpoint ({type(e).__name__}: {reason})") from None
+    except Exception as e:  # cut short, or not a torch file
+        raise ValueError(f"{flag} {path}: cannot read checkpoint: {unreadable(path, e)}") from None
 
 
-def read_state_dict(path, flag=None, unwrap=("state_dict",)):
+def unreadable(path, error):
+    """Why torch.load could not read `path`, whole and in this project's words (torch's own
+    messages run to paragraphs)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return "the file is empty"
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        return "a zip archive (as torch.save writes) cut short: a copy or a write that stopped part-way"
+    if isinstance(error, pickle.UnpicklingError) and (zipfile.is_zipfile(path) or head[:1] == b"\x80"):
+        return ("it holds Python objects besides tensors and plain containers (a module, a class instance), "
+                "which a safe load refuses: save the model's state_dict() instead")
+    if isinstance(error, (pickle.UnpicklingError, KeyError, EOFError, UnicodeDecodeError)):
+        return "not a PyTorch checkpoint (neither a torch.save zip archive nor a pickle of tensors)"
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def read_state_dict(path, flag=None, unwrap=("state_dict",), where=None):
     """The tensors of a weights file or folder, on the CPU: a folder of `.safetensors` files (a
     sharded Hugging Face checkpoint), a safetensors file, a TorchScript archive (OpenAI CLIP), or a
     torch file read as `read_checkpoint` does (memory-mapped when it is a zip archive, as torch.save
     writes since 1.6), whose dict may wrap the state dict under a key of
     `unwrap`; a DDP `module.` prefix is stripped, non-tensor entries dropped. A missing or unreadable
-    file is one line naming `flag` (or the file alone when flag is None)."""
-    where = f"{flag} {path}" if flag else str(path)
+    file is one line naming `where` (default: `flag` and the path, or the path alone)."""
+    where = where or (f"{flag} {path}" if flag else str(path))
     path = str(path)
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -72,9 +92,9 @@ def read_state_dict(path, flag=None, unwrap=("state_dict",)):
                 with torch.serialization.safe_globals([argparse.Namespace]):  # mapped, not read: loading a
                     # model's weights into it then needs their bytes once, not twice (the file's pages are cache)
                     obj = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-        except Exception as e:  # absent, truncated, or not a weights file
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{where}: cannot read weights from {file} ({type(e).__name__}: {reason})") from None
+        except Exception as e:  # cut short, or not a weights file
+            member = "" if file == path else f" (its file {os.path.basename(file)})"
+            raise ValueError(f"{where}: cannot read weights{member}: {unreadable(file, e)}") from None
         for key in unwrap:
             if isinstance(obj, dict) and isinstance(obj.get(key), dict):
                 obj = obj[key]

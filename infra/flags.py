@@ -221,6 +221,12 @@ def parse_args(argv=None):
     return args
 
 
+def given(argv, parser=None):
+    """The dests of the flags written in `argv` (not taken from a preset or a default)."""
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {a.dest for a in (parser or build_parser())._actions if words & set(a.option_strings)}
+
+
 def grpo_settings(args):
     """The method's settings (docs/method.md §7) with every component flag that was given on top."""
     settings = grpo.GRPOSettings(**grpo.METHODS[args.method])

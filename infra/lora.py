@@ -1,6 +1,5 @@
-"""LoRA adapters for the policy (`train.py --lora R`), and merging them into a whole checkpoint.
-
-    python -m infra.lora merge RUN/ckpt/latest.pt merged.pt     # adapters + their base -> one whole checkpoint
+"""LoRA adapters for the policy (`train.py --lora R`); models/merge_lora.py merges them into a whole
+checkpoint (`python -m models.merge_lora RUN/ckpt/latest.pt merged.pt`).
 
 A LoRA adapter (Hu et al. 2021) on a linear layer y = W x + b adds a rank-R update:
 y = W x + b + (α / R) · B A x, with A (R, in) and B (out, R); only A and B train. With --lora R,
@@ -21,25 +20,19 @@ What this file decides, and why:
    with it and carries the adapters (`policy`), i.e. the same model with the adapters off. No
    second copy of any weight is held.
 5. A checkpoint holds A and B (and their optimizer state) with their settings (`settings`) and the
-   path of their base: train.py resumes from it and evaluates it (`policy` + loading.load_trained).
-   To sample from it elsewhere, `merge` adds (α / R) B A into each wrapped weight and writes a
-   whole checkpoint, which --init and evaluate.py read like any base (loading.load_policy names this
-   command when given the adapters). Its samples equal the adapters' up to float rounding: W + B A
-   is summed before the product with x instead of after.
+   path of their base: train.py resumes from it, and --init and evaluate.py read it as its base with
+   the adapters on (models/loading.load_policy). `merged_state_dict` adds (α / R) B A into each
+   wrapped weight, for a whole checkpoint other tools can read (models/merge_lora.py); its samples
+   equal the adapters' up to float rounding: W + B A is summed before the product with x instead of
+   after.
 """
 
-import argparse
+import copy
 import math
-import os
 import re
-import sys
 
 import torch
 import torch.nn as nn
-
-from infra import checkpoints
-from infra.processes import cli
-from models import loading
 
 ADAPTER = "default"  # peft's adapter name: parameters are named `<layer>.lora_A.default.weight`
 
@@ -73,9 +66,9 @@ def add_adapters(model, spec, seed=0):
 
 
 def policy(base, spec, seed=0):
-    """The LoRA policy over `base`: a copy of base that shares every parameter with it
-    (loading.policy_copy, nothing trained), with adapters of `spec` drawn from `seed`."""
-    return add_adapters(loading.policy_copy(base, []), spec, seed)
+    """The LoRA policy over `base`: a copy of base that shares every parameter with it (buffers
+    copied; nothing trained but the adapters), with adapters of `spec` drawn from `seed`."""
+    return add_adapters(copy.deepcopy(base, {id(p): p for p in base.parameters()}), spec, seed)
 
 
 def adapter_count(model, rank):
@@ -99,30 +92,3 @@ def merged_state_dict(model):
             value = value + layer.scaling[ADAPTER] * (B @ A)  # (out, in)
         merged[key.replace(".base_layer.", ".")] = value
     return merged
-
-
-def merge(path, out, flag="python -m infra.lora merge"):
-    """Read a LoRA checkpoint of train.py (`path`), load its base (loading.load_policy, with the
-    run's own flags, which the checkpoint holds) and the adapters, and write the merged model to
-    `out` as a whole checkpoint ({"model", "config"}, as a base of this project). Returns out."""
-    ckpt = checkpoints.read_checkpoint(path, flag)
-    if not isinstance(ckpt, dict) or not ckpt.get("lora") or not isinstance(ckpt.get("args"), dict):
-        raise ValueError(f"{flag} {path}: not a LoRA checkpoint of train.py (no adapters in it: nothing to merge)")
-    checkpoints.check_writable(os.path.dirname(os.path.abspath(out)), f"{flag} OUT")
-    model = policy(loading.load_policy(argparse.Namespace(**ckpt["args"]), ckpt["base"], flag), ckpt["lora"])
-    loading.load_trained(model, ckpt["model"], path, flag)
-    checkpoints.atomic_save({"model": merged_state_dict(model), "config": model.config, "stage": "merged",
-                             "merged_from": os.path.abspath(path)}, out)
-    return out
-
-
-def main(argv=None):
-    """`python -m infra.lora merge CKPT OUT`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) != 3 or argv[0] != "merge":
-        raise ValueError("usage: python -m infra.lora merge CKPT OUT (CKPT: a checkpoint of train.py --lora)")
-    print(f"merged: {merge(argv[1], argv[2])}")
-
-
-if __name__ == "__main__":
-    sys.exit(cli(main))

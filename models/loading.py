@@ -20,9 +20,8 @@ released trainers run under DeepSpeed, which does not, so they list them without
   `video_encoder.patch_embed` (the text-to-image video encoder sees one bos frame, never patches).
 The policy shares every frozen parameter with the reference it was copied from (`policy_copy`), so
 a frozen LLM is held once, and a GRPO checkpoint holds the trained parameters only, over its base
-(`load_policy` reads both). With --lora, LoRA adapters train instead (infra/lora.py builds that policy and
-merges a checkpoint of adapters into a whole one, which `load_policy` reads; given the adapters
-themselves, it names that command).
+(`load_policy` reads both). With --lora, LoRA adapters train instead (infra/lora.py); `load_policy`
+reads their checkpoint as the base with the adapters on.
 """
 
 import copy
@@ -34,7 +33,7 @@ import os
 import torch.nn as nn
 
 import mar
-from infra import checkpoints
+from infra import checkpoints, lora
 from infra.prompts import Prompts, prompt_text, read_prompt_file
 from models import vae
 
@@ -47,11 +46,12 @@ def adapter(name):
     return importlib.import_module(f"models.{name}")
 
 
-def _ours(path, flag="--init"):
-    """The {"model", "config"} dict of a checkpoint train.py wrote, or None for another file."""
+def _ours(path, flag="--init", mmap=False):
+    """The {"model", "config"} dict of a checkpoint this project wrote, or None for another file
+    (mmap: its tensors mapped, not read)."""
     if not path.endswith(".pt") or not os.path.isfile(path):
         return None
-    ckpt = checkpoints.read_checkpoint(path, flag)
+    ckpt = checkpoints.read_checkpoint(path, flag, mmap=mmap)
     return ckpt if isinstance(ckpt, dict) and "model" in ckpt and isinstance(ckpt.get("config"), dict) else None
 
 
@@ -116,14 +116,13 @@ def load_policy(args, path, flag="--init"):
     of diffusion steps."""
     T = args.num_sampling_steps
     ours = _ours(path, flag)
-    if ours is not None and ours.get("lora"):  # adapters: train.py reads them (lora.policy), samplers a merge
-        raise ValueError(f"{flag} {path}: holds LoRA adapters over {ours.get('base')}; merge them into a whole "
-                         f"checkpoint first: python -m infra.lora merge {path} OUT.pt")
-    if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters only
+    if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters (or LoRA adapters) only
         base = ours["base"]
         if not os.path.exists(base):
             raise FileNotFoundError(f"{flag} {path}: holds the trained parameters only, and its base {base} is missing")
         model = load_policy(args, base, flag)
+        if ours.get("lora"):  # the base with the adapters on (infra/lora.py)
+            model = lora.policy(model, ours["lora"])
         load_trained(model, ours["model"], path, flag)
         return model
     if args.model == "small":
@@ -143,6 +142,27 @@ def load_policy(args, path, flag="--init"):
         model.load_state_dict(ours["model"])
         return model.eval()
     return nova.load_nova(path, num_sampling_steps=T)
+
+
+def describe(args, model, given):
+    """Make the flags that describe the model say what `model` is, so that what a run records about
+    itself (config.json, checkpoints) is what ran: the small model's --img-size is its checkpoint's
+    (a preset's value gives way; one written on the command line that contradicts the checkpoint is
+    a one-line error naming both). The model's whole configuration is recorded beside the flags
+    (config.json's "model"). given: the dests written on the command line (flags.given)."""
+    if args.model == "small" and args.img_size != model.img_size:
+        if "img_size" in given:
+            raise ValueError(f"--img-size {args.img_size}: the base {args.init} is a model of {model.img_size}-px images "
+                             "(drop --img-size: the small model's size is its checkpoint's)")
+        args.img_size = model.img_size
+
+
+def base_record(path):
+    """What a run records of its base: the path and, for a checkpoint of this project, how it was
+    made (its stage and flags: the world it was pretrained in)."""
+    ours = _ours(path, mmap=True)
+    made = {k: ours[k] for k in ("stage", "args", "base") if k in ours} if ours else {}
+    return {"path": os.path.abspath(path), **made}
 
 
 def load_trained(model, sd, path, flag="--init"):

@@ -55,6 +55,8 @@ def main(argv=None):
     p.add_argument("--prompts", required=True, help="prompt file, one per line (or the released .jsonl metadata)")
     p.add_argument("--out", required=True, help="output .pt file")
     args = p.parse_args(argv)
+    if os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out}: a folder; give the .pt file to write")
     check_writable(os.path.dirname(os.path.abspath(args.out)), "--out")
     prompts = [prompt_text(it) for it in read_prompt_file(args.prompts, "text")]  # a .jsonl file's records: their prompts
     model = nova.load_nova(args.init)

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from infra import checkpoints
-from rewards import WEIGHT_FILES, Reward
+from rewards import CKPT_FLAG, WEIGHT_FILES, Reward
 from scorers.weights import check_file, load_strict
 
 # OpenAI CLIP normalisation, used by HPS, PickScore's processor, the aesthetic predictor and ImageReward.
@@ -133,7 +133,7 @@ def load_open_clip(model_name, path, key, device="cpu", dtype=torch.float32):
     import open_clip
 
     path = check_file(path, key)
-    state_dict = checkpoints.read_state_dict(path)
+    state_dict = checkpoints.read_state_dict(path, where=f"{CKPT_FLAG} {key}={path}")
     if any(k.startswith(("vision_model.", "text_model.")) for k in state_dict):
         state_dict = convert_pickscore_hf_to_open_clip(state_dict)
     state_dict = {k: v for k, v in state_dict.items() if k not in _IGNORED_KEYS}
@@ -321,7 +321,7 @@ class AestheticReward(_OpenClipReward):
         model = load_open_clip(model_name, aesthetic_clip, "aesthetic_clip", device, dtype)
         super().__init__(model, model_name, device, dtype, batch_size)
         self.head = AestheticMLP(model.visual.output_dim)
-        load_strict(self.head, checkpoints.read_state_dict(head_path), head_path,
+        load_strict(self.head, checkpoints.read_state_dict(head_path, where=f"{CKPT_FLAG} aesthetic={head_path}"), head_path,
                     f"the LAION aesthetic MLP on {model.visual.output_dim}-d features "
                     f"(expected {WEIGHT_FILES['aesthetic'][0]})")
         self.head = self.head.to(self.device).eval().requires_grad_(False)

@@ -181,7 +181,7 @@ def convert_imagereward_checkpoint(state_dict):
 def load_imagereward(path, arch=ImageRewardArch(), device="cpu", dtype=torch.float32):
     """ImageReward.pt (checked by `check_file` beforehand) -> `ImageRewardModel`, strictly loaded,
     in eval mode, frozen, on `device` in `dtype`. A file that does not fit is a one-line ValueError."""
-    state_dict = convert_imagereward_checkpoint(checkpoints.read_state_dict(path))
+    state_dict = convert_imagereward_checkpoint(checkpoints.read_state_dict(path, where=f"{CKPT_FLAG} imagereward={path}"))
     model = ImageRewardModel(arch)
     load_strict(model, state_dict, path, f"{arch.describe()} (expected {WEIGHT_FILES['imagereward'][0]})")
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

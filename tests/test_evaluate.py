@@ -260,12 +260,23 @@ def bad_inputs(files, tmp):
         "missing_weights": (good(reward="shapes,hpsv2"), ["--reward-ckpt hpsv2=PATH", "HPS_v2.1_compressed.pt"]),
         "no_out": (good(out=()), ["--out"]),
         "shapes_on_nova": (good("--model", "nova"), ["--reward shapes", "nova"]),
+        # a later checkpoint that cannot be read, or does not fit: found before the first one's images
+        "second_ckpt_cut": (good(ckpt=base + ["--ckpt", f"cut={tmp / 'cut.pt'}"]), [f"--ckpt cut={tmp / 'cut.pt'}", "cut short"]),
+        "second_ckpt_a_folder": (good(ckpt=base + ["--ckpt", f"dir={tmp}"]), [f"--ckpt dir={tmp}", "a folder"]),
+        "second_ckpt_of_another_size": (good(ckpt=base + ["--ckpt", f"wide={tmp / 'wide.pt'}"]),
+                                        [f"--ckpt wide={tmp / 'wide.pt'}", "does not fit its base"]),
     }
 
 
 @pytest.mark.parametrize("case", ["no_ckpt", "name_twice", "no_name", "missing_ckpt", "foreign_ckpt", "missing_prompts",
-                                  "unknown_reward", "weighted_reward", "missing_weights", "no_out", "shapes_on_nova"])
+                                  "unknown_reward", "weighted_reward", "missing_weights", "no_out", "shapes_on_nova",
+                                  "second_ckpt_cut", "second_ckpt_a_folder", "second_ckpt_of_another_size"])
 def test_bad_input_is_one_line_naming_the_flag(case, files, tmp_path, capsys):
+    blob = (files / "tuned.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(blob[:len(blob) // 2])  # a copy that stopped half-way
+    tuned = torch.load(files / "tuned.pt", weights_only=True)
+    tuned["model"] = {k: torch.cat([v, v]) if k.endswith("decoder_embed.weight") else v for k, v in tuned["model"].items()}
+    torch.save(dict(tuned, base=str(files / "base.pt")), tmp_path / "wide.pt")  # trained weights of another size
     flags, words = bad_inputs(files, tmp_path)[case]
     code, stdout, err = run(capsys, *flags)
     lines = err.strip().splitlines()

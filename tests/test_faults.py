@@ -168,7 +168,7 @@ def run_script(*cmd, timeout=120):
     (["-m", "experiments.study", "--study", "nope"], ["--study", "nope"]),
     (["-m", "experiments.study"], ["--study"]),
     (["-m", "demo.pretrain", "--pretrain-steps", "-1"], ["--pretrain-steps", "-1"]),
-    (["-m", "infra.lora", "merge"], ["merge CKPT OUT"]),
+    (["-m", "models.merge_lora"], ["usage: python -m models.merge_lora CKPT OUT"]),
 ])
 def test_scripts_answer_bad_input_in_one_line(cmd, words, tmp_path):
     code, lines = run_script(*cmd)
@@ -176,13 +176,20 @@ def test_scripts_answer_bad_input_in_one_line(cmd, words, tmp_path):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+def test_study_checks_every_runs_flags_before_the_first_run(tmp_path, smoke_base):
+    code, lines = run_script("-m", "experiments.study", "--study", "hack", "--preset", "smoke", "--study-steps", "2",
+                             "--study-arms", "mar-grpo", "--study-out", tmp_path / "study", "--study-train-flags", "--lr nan")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --lr nan: must be a finite number"), lines
+    assert not (tmp_path / "study").exists()
+
+
 def test_study_exits_non_zero_with_the_failed_runs_reason(tmp_path, smoke_base):
-    # a preset with its own base: the failing flag reaches the GRPO runs only (--study-train-flags)
+    # a flag that parses but fails in the run: the study says which run, why, and where its log is
     code, lines = run_script("-m", "experiments.study", "--study", "hack", "--preset", "smoke", "--study-steps", "2",
                              "--study-arms", "mar-grpo", "--study-out", tmp_path / "study",
-                             "--study-train-flags", "--lr nan", timeout=600)
+                             "--study-train-flags=--resume", timeout=600)
     assert code == 1 and lines and lines[-1].startswith("error: study: 1 run(s) failed"), lines
-    assert "--lr nan" in lines[-1] and "log_hack_mar-grpo_0.txt" in lines[-1]
+    assert "--resume: no checkpoint" in lines[-1] and "log_hack_mar-grpo_0.txt" in lines[-1]
 
 
 def test_smoke_summary_says_its_numbers_mean_nothing(tmp_path, smoke_base, capsys):

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 import evaluate
-from infra import flags
 import grpo
-from infra import lora
-from models import loading
 import rollout
 import train
+from infra import flags, lora
+from infra.processes import cli as run
+from models import loading, merge_lora, vae
+from tests.helpers import cli, grpo_flags, load, metrics
 from tests.test_distributed import tiny
-from tests.test_reliability import cli, grpo_flags, load, metrics
 from tests.test_wiring import lively_base
-from models import vae
 
 torch.set_num_threads(1)
 PROJECTIONS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -127,36 +126,45 @@ def test_checkpoints_hold_the_adapters_and_resume_bit_for_bit(lora_run, tmp_path
 
 
 def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, tmp_path, capsys):
+    """The adapters' checkpoint loads (loading.load_policy) as its base with the adapters on; merged
+    into a whole checkpoint (models/merge_lora.py) it samples the same images up to float rounding;
+    --eval-only and evaluate.py take both."""
     (lora_run, base_path), merged = lora_run, tmp_path / "merged.pt"
     path = lora_run / "ckpt" / "latest.pt"
-    assert lora.main(["merge", str(path), str(merged)]) is None
+    assert merge_lora.main([str(path), str(merged)]) is None
     args = flags.parse_args(["--preset", "smoke"])
     ckpt = load(path)
     base = loading.load_policy(args, str(base_path))
-    adapters = lora.policy(base, ckpt["lora"])
-    loading.load_trained(adapters, ckpt["model"], str(path))
-    whole = loading.load_policy(args, str(merged))  # what --init and evaluate.py load
+    adapters = loading.load_policy(args, str(path))  # what --init and evaluate.py load from the adapters
+    assert lora.settings(adapters) == ckpt["lora"]
+    assert all(torch.equal(dict(adapters.named_parameters())[k], v) for k, v in ckpt["model"].items())
+    whole = loading.load_policy(args, str(merged))  # ... and from the merged checkpoint
     assert not lora.settings(whole) and set(whole.state_dict()) == set(base.state_dict())
     inputs = dict(prompt_ids=torch.tensor([[1, 2, 0], [3, 4, 5]]))
     images = [evaluate.generate(m, vae.PixelCodec(), inputs, args, torch.Generator().manual_seed(3))
               for m in (adapters, whole, base)]
     gap = (images[0] - images[1]).abs().max()
     assert gap < 1e-4 and (images[0] - images[2]).abs().max() > 100 * max(gap, 1e-6)  # measured: 1.6e-6 and 0.78
-    code, _, err = cli(capsys, "--preset", "smoke", "--eval-only", "--init", merged, "--eval-prompts", "2",
-                       "--out", tmp_path / "eval")
-    assert code == 0, err
+    for init in (merged, path):
+        code, _, err = cli(capsys, "--preset", "smoke", "--eval-only", "--init", init, "--eval-prompts", "2",
+                           "--out", tmp_path / f"eval_{init.name}")
+        assert code == 0, err
+    table = evaluate.main(["--preset", "smoke", "--ckpt", f"base={base_path}", "--ckpt", f"lora={path}",
+                           "--ckpt", f"merged={merged}", "--reward", "jpeg_incompressibility", "--out", str(tmp_path / "table")])
+    cells = {row["name"]: row["cells"]["jpeg_incompressibility"]["mean"] for row in table["rows"]}
+    assert cells["lora"] == pytest.approx(cells["merged"], rel=1e-3) and cells["lora"] != cells["base"]
 
 
-def test_adapters_answer_merge_and_init_in_one_line(lora_run, smoke_base, tmp_path, capsys):
+def test_adapters_answer_merge_and_a_new_run_in_one_line(lora_run, smoke_base, tmp_path, capsys):
     path = lora_run[0] / "ckpt" / "latest.pt"
-    code, _, err = cli(capsys, "--preset", "smoke", "--eval-only", "--init", path, "--out", tmp_path / "eval")
-    assert code == 2 and err.strip() == (f"error: --init {path}: holds LoRA adapters over {lora_run[1].resolve()}; "
-                                         f"merge them into a whole checkpoint first: python -m infra.lora merge {path} OUT.pt")
-    assert not (tmp_path / "eval").exists()
-    from infra.processes import cli as run
-    assert run(lora.main, ["merge", str(smoke_base), str(tmp_path / "m.pt")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: python -m infra.lora merge {smoke_base}: not a LoRA checkpoint of train.py "
-                                               "(no adapters in it: nothing to merge)")
+    code, _, err = cli(capsys, *grpo_flags(path, tmp_path / "run"))
+    assert code == 2 and err.strip() == (f"error: --init {path}: holds LoRA adapters over their base; continue their run "
+                                         f"with --resume, or start a new one from them merged into a whole checkpoint "
+                                         f"(python -m models.merge_lora {path} OUT.pt)")
+    assert not (tmp_path / "run").exists()
+    assert run(merge_lora.main, [str(smoke_base), str(tmp_path / "m.pt")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: python -m models.merge_lora {smoke_base}: not a LoRA checkpoint of "
+                                               "train.py (no adapters in it: nothing to merge)")
     assert not (tmp_path / "m.pt").exists()
-    assert run(lora.main, ["merge", str(path)]) == 2 and "usage: python -m infra.lora merge" in capsys.readouterr().err
-
+    assert run(merge_lora.main, [str(path)]) == 2 and "usage: python -m models.merge_lora" in capsys.readouterr().err
+    assert run(merge_lora.main, [str(path), str(tmp_path)]) == 2 and "a folder" in capsys.readouterr().err

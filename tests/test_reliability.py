@@ -39,8 +39,8 @@ G = "--eval-prompts 0 --init {b}"
 BAD_INPUT = {
     "missing --init": ("--eval-prompts 0 --init {t}/nope.pt", ["--init", "no such file", "nope.pt"]),
     "--init not a MAR file": ("--eval-prompts 0 --init {t}/not_mar.pt", ["--init", "not_mar.pt", "not a MAR"]),
-    "--init not a torch file": ("--eval-prompts 0 --init {t}/text.pt", ["--init", "text.pt", "cannot read"]),
-    "--init truncated": ("--eval-prompts 0 --init {t}/truncated.pt", ["--init", "truncated.pt", "cannot read"]),
+    "--init not a torch file": ("--eval-prompts 0 --init {t}/text.pt", ["--init", "text.pt", "not a PyTorch checkpoint"]),
+    "--init truncated": ("--eval-prompts 0 --init {t}/truncated.pt", ["--init", "truncated.pt", "cut short"]),
     "missing reward weights": (G + " --reward hpsv2", ["--reward-ckpt", "hpsv2=PATH"]),
     "reward weights file missing": (G + " --reward hpsv2 --reward-ckpt hpsv2={t}/gone.pt", ["--reward-ckpt", "gone.pt"]),
     "reward weights unreadable": (G + " --reward hpsv2 --reward-ckpt hpsv2={t}/junk.pt", ["junk.pt", "cannot read"]),
@@ -78,7 +78,14 @@ BAD_INPUT = {
     "LoRA with a trained head": (G + " --lora 4 --method grpo", ["--lora 4", "head stays frozen"]),
     "LoRA without training": ("--eval-only --init {b} --lora 4", ["--lora", "--eval-only"]),
     "FSDP in one process": (G + " --fsdp", ["--fsdp", "torchrun"]),
-    "LoRA adapters as --init": ("--eval-prompts 0 --init {t}/adapters.pt", ["--init", "adapters.pt", "python -m infra.lora merge"]),
+    # what a run records must be what runs
+    "--img-size against the base": (G + " --img-size 16", ["--img-size 16", "32-px images"]),
+    # the project's own words, whole
+    "--init a folder": ("--eval-prompts 0 --init {t}", ["--init", "a folder, not a checkpoint file"]),
+    "--init empty": ("--eval-prompts 0 --init {t}/empty.pt", ["--init", "empty.pt", "the file is empty"]),
+    "--init a pickled module": ("--eval-prompts 0 --init {t}/module.pt", ["--init", "module.pt", "save the model's state_dict()"]),
+    "LoRA adapters as --init of a new run": (G.replace("{b}", "{t}/adapters.pt"), ["--init", "adapters.pt", "--resume",
+                                                                                   "python -m models.merge_lora"]),
 }
 
 
@@ -88,6 +95,8 @@ def make_bad_files(tmp, base):
     blob = Path(base).read_bytes()
     (tmp / "truncated.pt").write_bytes(blob[:len(blob) // 2])
     (tmp / "junk.pt").write_bytes(b"\x00not a checkpoint")
+    (tmp / "empty.pt").write_bytes(b"")
+    torch.save({"model": torch.nn.Linear(2, 2)}, tmp / "module.pt")  # a module, not a state dict
     (tmp / "empty.txt").write_text("\n  \n")
     (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00\x81")
     (tmp / "elephant.txt").write_text("a red circle\na purple elephant\n")
@@ -95,7 +104,7 @@ def make_bad_files(tmp, base):
     (tmp / "vae.ckpt").write_bytes(b"")
     (tmp / "junk_run" / "ckpt").mkdir(parents=True)  # a run folder whose only checkpoint is unreadable
     (tmp / "junk_run" / "ckpt" / "step_000003.pt").write_bytes(b"\x00junk")
-    torch.save({"model": {}, "base": str(base), "config": {}, "lora": dict(rank=2, alpha=2.0, targets="x")},
+    torch.save({"model": {}, "base": str(base), "config": {}, "lora": dict(rank=2, alpha=2.0, targets=mar.MAR.LORA_TARGETS)},
                tmp / "adapters.pt")  # a checkpoint of train.py --lora: adapters over a base
 
 
@@ -296,3 +305,26 @@ def test_shipped_bases_are_the_recorded_files_and_their_presets_models(preset, b
     want = pretrain.small_mar_config(pre)
     assert {k: model.config[k] for k in want} == want
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_run_record_describes_the_model_that_ran(tmp_path, capsys):
+    """--preset smoke (32-px flags) from the demo's 16-px base: config.json and the checkpoint's flags
+    say 16 px (the base's), config.json holds the model's own configuration and how its base was
+    made (the 8-px cells of its pretraining world)."""
+    out = tmp_path / "run"
+    code, _, err = cli(capsys, "--preset", "smoke", "--init", demo.BASE, "--steps", "1", "--eval-prompts", "0", "--out", out)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    ckpt = load(out / "ckpt" / "latest.pt")
+    assert config["img_size"] == ckpt["args"]["img_size"] == config["model"]["img_size"] == 16
+    assert config["model"] == ckpt["config"] and config["model"]["encoder_embed_dim"] == 128  # not the smoke preset's 32
+    assert config["base"]["path"] == demo.BASE and config["base"]["stage"] == "pretrain"
+    assert config["base"]["args"]["cell"] == 8 and config["base"]["args"]["unmentioned"] == 0.5
+
+
+def test_faults_doc_lists_every_bad_input():
+    """docs/faults.md's table holds a row for every case of BAD_INPUT (tests/test_evaluate.py's cases
+    are listed there too)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "faults.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ")}
+    assert set(BAD_INPUT) <= rows, sorted(set(BAD_INPUT) - rows)

@@ -76,7 +76,7 @@ def test_mismatched_weights_name_file_and_keys(tiny_configs, tmp_path):
     assert one_line(e) and "partial.pt" in msg and "visual.proj" in msg and "extra.weight" in msg
 
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="cannot read weights from .*junk.pt") as e:
+    with pytest.raises(ValueError, match="--reward-ckpt .*=.*junk.pt: cannot read weights: not a PyTorch checkpoint") as e:
         rewards.build_reward("hpsv2", weights={"hpsv2": str(tmp_path / "junk.pt")}, model_name=TINY)
     assert one_line(e)
 

@@ -329,7 +329,7 @@ def test_load_vae_errors(tmp_path):
     _one_line_value_error(tmp_path / "other.ckpt", "not an LDM KL VAE checkpoint")
 
     (tmp_path / "text.ckpt").write_text("not a checkpoint\n")
-    _one_line_value_error(tmp_path / "text.ckpt", "torch.load")
+    _one_line_value_error(tmp_path / "text.ckpt", "cannot read weights: not a PyTorch checkpoint")
 
     with pytest.raises(FileNotFoundError, match="--vae: no such file"):
         load_vae(str(tmp_path / "absent.ckpt"))
