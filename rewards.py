@@ -4,7 +4,8 @@ Every reward is a callable
 
     fn(images, prompts, metadata) -> (scores, info)
 
-    images:   (B, 3, H, W) float in [0, 1], any device (numpy, and uint8 in 0..255, accepted too)
+    images:   (B, 3, H, W) float in [0, 1], any device (numpy, and uint8 in 0..255, accepted too);
+              every reward scores the 8-bit image, round(255 x) / 255 (what a PNG of it holds)
     prompts:  list of B strings
     metadata: list of B dicts (or None): the prompt's parsed meta (`shapes`), or its released record
               (infra/prompt_records.py; `gdino`, `git_vqa`)
@@ -102,12 +103,17 @@ class Reward:
         metadata = [{} for _ in range(B)] if metadata is None else list(metadata)
         if len(metadata) != B:
             raise ValueError(f"{self.name} reward: {B} images but {len(metadata)} metadata dicts")
-        images = images.float().div(255) if images.dtype == torch.uint8 else images.float().clamp(0, 1)
+        images = images.float().div(255) if images.dtype == torch.uint8 else to_8bit(images.float())
         scores, info = self.score(images, list(prompts), metadata)
         return scores.detach().float().cpu().reshape(B), info
 
     def score(self, images, prompts, metadata):
         raise NotImplementedError
+
+
+def to_8bit(images):
+    """round(255 x) / 255 of x clamped to [0, 1]: the 8-bit image every reward scores (float, same shape)."""
+    return images.clamp(0, 1).mul(255).round().div(255)
 
 
 class WeightedSum(Reward):
