@@ -5,7 +5,8 @@ Every reward is a callable
     fn(images, prompts, metadata) -> (scores, info)
 
     images:   (B, 3, H, W) float in [0, 1], any device (numpy, and uint8 in 0..255, accepted too);
-              every reward scores the 8-bit image, round(255 x) / 255 (what a PNG of it holds)
+              every reward scores the 8-bit image, round(255 x) / 255 (what a PNG of it holds, and
+              what the reward server receives: both paths score the same pixels)
     prompts:  list of B strings
     metadata: list of B dicts (or None): the prompt's parsed meta (`shapes`), or its released record
               (infra/prompt_records.py; `gdino`, `git_vqa`)
@@ -18,6 +19,8 @@ weights={...})` parses the `--reward` spec and returns the weighted sum of its r
     r_b = sum_k w_k r_k,b          info["components"][k] = r_k (B,), info["means"][k] = mean_b r_k,b
 
 (the means are unweighted, one per component, for logging). The released runs use HPS v2.1 (docs/method.md §8).
+`build_reward(spec, server={"url": ...})` returns the same reward scored by a reward server
+(`python -m scorers.server`; the client is scorers/remote.py, docs/reward_server.md).
 
 This file holds the interface, the spec parser, `build_reward`, the table of weight files, and the
 rewards that need no model (JPEG). The others live in folders and are imported when first built, so
@@ -130,10 +133,14 @@ class WeightedSum(Reward):
         self.components = list(components)  # [(name, weight, Reward)]
 
     def score(self, images, prompts, metadata):
-        total = torch.zeros(images.shape[0])                                  # (B,)
+        return self.combine([(name, weight, *reward(images, prompts, metadata)) for name, weight, reward in self.components])
+
+    @staticmethod
+    def combine(parts):
+        """parts: [(name, weight, r (B,) float32, extra info dict)] in the spec's order -> (sum_k w_k r_k (B,), info)."""
+        total = torch.zeros(len(parts[0][2]))                                 # (B,)
         info = {"means": {}, "components": {}, "weights": {}}
-        for name, weight, reward in self.components:
-            r, extra = reward(images, prompts, metadata)                      # (B,)
+        for name, weight, r, extra in parts:
             total += weight * r
             info["components"][name] = r
             info["means"][name] = float(r.mean())
@@ -197,7 +204,7 @@ def parse_reward_ckpt(values, spec):
     return weights
 
 
-def build_reward(spec, *, device="cpu", weights=None, options=None, **kwargs):
+def build_reward(spec, *, device="cpu", weights=None, options=None, server=None, **kwargs):
     """Build the weighted reward of a `--reward` spec.
 
     spec:    'name' or 'name:weight' items, comma-separated (e.g. 'hpsv2:1.0,pickscore:0.5').
@@ -210,9 +217,19 @@ def build_reward(spec, *, device="cpu", weights=None, options=None, **kwargs):
     options: per-reward keyword arguments, {name: {kwarg: value}}, over `kwargs`.
     kwargs:  keyword arguments given to every reward of the spec that takes them (e.g.
              `model_name` for the CLIP-based rewards, `arch` for imagereward, `dtype`, `batch_size`).
-    Returns a `WeightedSum` (also for a single reward, so info always has means and components).
+    server:  None (the reward models run in this process), or {"url", "token", "timeout", "retries"}:
+             a reward server (`python -m scorers.server`) that serves every name of the spec scores
+             the images and this process sums them (scorers/remote.py `RemoteReward`); the weight
+             files and options are then the server's.
+    Returns a `WeightedSum` (also for a single reward, so info always has means and components), or
+    with `server` a RemoteReward whose info has the same keys.
     """
     items = parse_reward_spec(spec)
+    if server is not None:
+        if weights or options or kwargs:
+            raise ValueError(f"{CKPT_FLAG} and reward options {sorted({**(weights or {}), **(options or {}), **kwargs})}: "
+                             "the reward server loads the models (python -m scorers.server --reward-ckpt KEY=PATH)")
+        return _built_from("scorers.remote", "RemoteReward")(items=items, **server)
     weights = dict(weights or {})
     for key in weights:
         if key not in WEIGHT_FILES:
@@ -245,6 +262,8 @@ def score(reward_fn, spec, images, texts, metas):
     reward's name and the batch's prompts, its own traceback kept as the cause."""
     try:
         return reward_fn(images, texts, metas)
+    except RewardFailed:
+        raise  # already said in one line (a reward server that stopped answering: scorers/remote.py)
     except Exception as e:
         unique = list(dict.fromkeys(texts))
         shown = unique[:8] + ([f"... {len(unique)} prompts in all"] if len(unique) > 8 else [])
