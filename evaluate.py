@@ -51,7 +51,7 @@ import rollout
 from demo import shapes
 from infra import flags, processes, prompt_records
 from models import loading
-from scorers import compbench
+from scorers import compbench, remote
 
 
 @torch.no_grad()
@@ -318,7 +318,8 @@ def main(argv=None):
     else:
         weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
         names = reward_names(args.reward)
-        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights) for name in names}
+        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights, server=remote.settings(args))
+                      for name in names}
         columns, notes = table_columns(names), []
     # --- every checkpoint (and the prompts and codec it needs) read and checked before the first image:
     #     each loaded on the CPU in turn and freed; the images below load it again

@@ -49,6 +49,7 @@ from infra import checkpoints, figures, flags, fsdp, lora, processes
 from infra.flags import check_inputs, parse_args
 from infra.processes import Ctx, Stop, all_finite
 from models import loading
+from scorers import remote
 
 # The recorded ℓ of a fresh rollout and the ℓ the update recomputes should agree to float rounding
 # (~1e-5 nats in fp32; the tests hold them to 1e-4). A larger gap means the update does not
@@ -367,7 +368,7 @@ def main(argv=None):
     settings = check_inputs(args, ctx.world)
 
     # --- load what the run needs; a bad file fails now, and nothing has been written yet
-    reward_fn = rewards.build_reward(args.reward, device=ctx.device,
+    reward_fn = rewards.build_reward(args.reward, device=ctx.device, server=remote.settings(args),  # --reward-url
                                      weights=rewards.parse_reward_ckpt(args.reward_ckpt, args.reward))
     base, codec, prompts = load_base(args, ctx, args.init)
     loading.describe(args, base, flags.given(argv))  # the flags that describe the model say what it is

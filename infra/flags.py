@@ -22,6 +22,7 @@ from infra import checkpoints, prompt_records
 from infra.processes import Parser
 from infra.prompts import read_prompt_file
 from models import loading
+from scorers import remote
 
 # -----------------------------------------------------------------------------
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
@@ -170,6 +171,12 @@ def reward_and_eval_flags(p):
     a = p.add_argument
     a("--reward", default="shapes", help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5")
     a("--reward-ckpt", action="append", default=[], help="reward weights KEY=PATH (repeatable)")
+    a("--reward-url", default=None, help="score with the reward server at this URL (python -m scorers.server, "
+      "docs/reward_server.md) instead of loading the reward models; its token from MARGRPO_REWARD_TOKEN")
+    a("--reward-token-file", default=None, help="a file holding the reward server's token (instead of MARGRPO_REWARD_TOKEN)")
+    a("--reward-timeout", type=POS_FLOAT, default=120.0, help="seconds to wait for the reward server's answer to a batch")
+    a("--reward-retries", type=NONNEG_INT, default=8,
+      help="tries again when the reward server cannot be reached, waiting 0.5 s, 1 s, 2 s, ... (at most 15 s) between")
     a("--reward-norm", default="none", choices=["none", "group-minmax"],
       help="combine the rewards as the weighted sum of their raw values, or of each min-max normalised within its "
            "group (the released normalize_multi_rewards; grpo.min_max_combined)")
@@ -302,4 +309,17 @@ def check_model_inputs(args, reward_names=None):
             raise ValueError(f"--reward {needs_records[0]} reads the released prompt metadata: give --prompts FILE.jsonl "
                              f"(one JSON record a line, prompt_records.py){'' if args.prompts is None else f', not {args.prompts}'}")
         rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
+    if args.reward_url is not None:  # a reward server scores: its weights and its address are its own
+        remote.parse_url(args.reward_url)
+        if args.reward_ckpt:
+            raise ValueError(f"--reward-ckpt {args.reward_ckpt[0]}: the reward server of --reward-url loads the reward "
+                             "weights (python -m scorers.server --reward-ckpt KEY=PATH)")
+        if reward_names is None:
+            raise ValueError("--reward-url: this run scores no --reward in this process's place (the T2I-CompBench "
+                             "evaluators run here); drop --reward-url")
+    if args.reward_token_file is not None:
+        if args.reward_url is None:
+            raise ValueError(f"--reward-token-file {args.reward_token_file}: it is sent to a reward server; give --reward-url")
+        if not os.path.isfile(args.reward_token_file):
+            raise FileNotFoundError(f"--reward-token-file: no such file: {args.reward_token_file}")
     checkpoints.check_writable(args.out, "--out")
