@@ -94,7 +94,7 @@ class RemoteReward(Reward):
     def request(self, method, path, body):
         """One HTTP request, tried again while there is no connection. Returns (status, body, None),
         or (None, None, why): the tries spent, or no answer within the timeout (not tried again)."""
-        headers = {"Content-Type": "application/json", "Connection": "close"}
+        headers = {"Content-Type": "application/octet-stream", "Connection": "close"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         t0, why = time.time(), None

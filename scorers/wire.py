@@ -3,22 +3,21 @@ Nothing on the wire carries code: images are an NPY array (read without pickle, 
 against the bytes before anything is allocated), everything else is JSON.
 
     GET  URL/info    -> {"protocol": 1, "rewards": [names served], "max_body_bytes": N}
-    POST URL/score      Content-Type: application/json; Authorization: Bearer TOKEN when the server has one
-        {"rewards":  ["hpsv2", "gdino"],      names the server serves, each once
-         "prompts":  [B strings],
-         "metadata": [B objects or null],     each image's prompt record (a shapes meta, a released record)
-         "images":   "base64 of an NPY file"} uint8 (B, H, W, 3), C order: round(255 x) of the images
+    POST URL/score      Authorization: Bearer TOKEN when the server has one; the body is one line of
+                        JSON, a newline, then an NPY file (no base64: 512-px batches are tens of MB):
+        {"rewards": ["hpsv2", "gdino"], "prompts": [B strings], "metadata": [B objects or null]}\n
+        NPY (format 1.0 or 2.0) of uint8 (B, 3, H, W), C order: round(255 x) of the images
     200  -> {"scores": {name: [B numbers]}, "info": {name: {key: JSON value}}}
             (NaN and ±Infinity written as the literals NaN, Infinity, -Infinity, which Python's json reads)
     4xx / 5xx -> {"error": "one line"}
 
-A request the server cannot take raises `Refused(status, one-line reason)`: 400 malformed (not JSON,
-not an NPY of uint8 (B, H, W, 3), lengths that differ, an unknown reward), 401 token, 413 body over
-the limit, 422 a reward refused the input, 500 a reward failed.
+"rewards" names what the server serves, each once; "metadata" is each image's prompt record (a
+shapes meta, a released record). A request the server cannot take raises `Refused(status,
+one-line reason)`: 400 malformed (no JSON line, not an NPY of uint8 (B, 3, H, W), lengths that
+differ, an unknown reward), 401 token, 413 body over the limit, 422 a reward refused the input,
+500 a reward failed.
 """
 
-import base64
-import binascii
 import io
 import json
 import math
@@ -40,26 +39,20 @@ class Refused(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Images: uint8 (B, H, W, 3) as NPY
+# Images: uint8 (B, 3, H, W) as NPY
 
 def encode_images(images):
     """images: (B, 3, H, W) float in [0, 1] already on the 8-bit grid (rewards.to_8bit), any device.
-    Returns the base64 text of an NPY file of uint8 (B, H, W, 3)."""
-    pixels = images.detach().mul(255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    Returns the bytes of an NPY file of uint8 (B, 3, H, W)."""
+    pixels = images.detach().mul(255).round().to(torch.uint8).cpu().numpy()  # exact: 255 x is an integer already
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(pixels), allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return buffer.getvalue()
 
 
-def decode_images(text):
-    """The base64 text of an NPY file -> uint8 tensor (B, 3, H, W), contiguous. Refused(400) for
-    anything else: not base64, not NPY, another dtype or shape, or bytes that do not match its header."""
-    if not isinstance(text, str):
-        raise Refused(400, "images: expected the base64 text of an NPY file")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise Refused(400, "images: not base64") from None
+def decode_images(raw):
+    """The bytes of an NPY file -> uint8 tensor (B, 3, H, W). Refused(400) for anything else: not NPY,
+    another dtype or shape, or bytes that do not match its header."""
     fp = io.BytesIO(raw)
     try:
         version = np.lib.format.read_magic(fp)
@@ -68,15 +61,15 @@ def decode_images(text):
             raise ValueError(f"NPY format {version}")
         shape, fortran, dtype = read_header(fp, max_header_size=MAX_HEADER)
     except (ValueError, SyntaxError, TypeError, EOFError):
-        raise Refused(400, "images: not an NPY array (the images must be an NPY file of uint8 (B, H, W, 3))") from None
-    if dtype != np.uint8 or fortran or len(shape) != 4 or shape[3] != 3 or min(shape) < 1:
+        raise Refused(400, "images: not an NPY array (after the JSON line, an NPY file of uint8 (B, 3, H, W))") from None
+    if dtype != np.uint8 or fortran or len(shape) != 4 or shape[1] != 3 or min(shape) < 1:
         raise Refused(400, f"images: an NPY array of {dtype} {tuple(shape)}{' in Fortran order' if fortran else ''}; "
-                           "expected uint8 (B, H, W, 3) in C order")
+                           "expected uint8 (B, 3, H, W) in C order")
     count = math.prod(shape)
     if len(raw) - fp.tell() != count:  # checked before any array is made from the header's shape
         raise Refused(400, f"images: {len(raw) - fp.tell()} bytes of pixels for a uint8 array of shape {tuple(shape)}")
     pixels = np.frombuffer(raw, dtype=np.uint8, count=count, offset=fp.tell()).reshape(shape)
-    return torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2).contiguous()  # (B, 3, H, W)
+    return torch.from_numpy(pixels.copy())  # (B, 3, H, W), writable
 
 
 # -----------------------------------------------------------------------------
@@ -84,21 +77,22 @@ def decode_images(text):
 
 def encode_request(names, images, prompts, metadata):
     """The body of POST /score: names of the rewards, images (B, 3, H, W) on the 8-bit grid, B
-    prompts, B metadata dicts (or None). Returns bytes."""
-    return json.dumps({"rewards": list(names), "prompts": list(prompts),
-                       "metadata": None if metadata is None else list(metadata),
-                       "images": encode_images(images)}).encode()
+    prompts, B metadata dicts (or None). Returns bytes: a JSON line, then an NPY file."""
+    head = json.dumps({"rewards": list(names), "prompts": list(prompts),
+                       "metadata": None if metadata is None else list(metadata)})  # one line: json.dumps escapes newlines
+    return head.encode() + b"\n" + encode_images(images)
 
 
 def decode_request(body, served):
     """The body of POST /score -> (names, images uint8 (B, 3, H, W), prompts, metadata); `served`:
     the names this server serves. Refused(400) with the first problem found."""
+    head, newline, npy = body.partition(b"\n")
     try:
-        request = json.loads(body)
+        request = json.loads(head) if newline else None
     except (ValueError, RecursionError):
-        raise Refused(400, "the body is not JSON (expected {rewards, prompts, metadata, images})") from None
+        request = None
     if not isinstance(request, dict):
-        raise Refused(400, "the body must be a JSON object {rewards, prompts, metadata, images}")
+        raise Refused(400, "the body must be a line of JSON {rewards, prompts, metadata}, a newline, then an NPY file")
     names = request.get("rewards")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise Refused(400, "rewards: expected a non-empty list of reward names")
@@ -113,7 +107,7 @@ def decode_request(body, served):
     metadata = request.get("metadata")
     if metadata is not None and (not isinstance(metadata, list) or not all(m is None or isinstance(m, dict) for m in metadata)):
         raise Refused(400, "metadata: expected a list of objects (or null)")
-    images = decode_images(request.get("images"))
+    images = decode_images(npy)
     B = images.shape[0]
     if len(prompts) != B or (metadata is not None and len(metadata) != B):
         raise Refused(400, f"{B} images, {len(prompts)} prompts and {'no' if metadata is None else len(metadata)} "
