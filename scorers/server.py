@@ -81,7 +81,7 @@ def make_app(served, token=None, max_body=64 << 20, device="cpu"):
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
-            raise wire.Refused(401, f"missing token: send Authorization: Bearer TOKEN (the server's {TOKEN_ENV})")
+            raise wire.Refused(401, "missing token: send the header Authorization: Bearer TOKEN")
         if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode()):
             raise wire.Refused(401, "wrong token")
 
