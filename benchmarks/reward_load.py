@@ -3,7 +3,8 @@
     python -m benchmarks.reward_load                    # shapes at the demo's size: 16 px, G = 6, 48 images a step
     python -m benchmarks.reward_load --reward jpeg_incompressibility --size 256 --images 4 --step-images 32
 
-Starts `python -m scorers.server --reward R` on a free loopback port (its own process), then
+Starts `python -m scorers.server --reward R` on a free loopback port (its own process), or with
+`--url URL` measures a server already running there (its token from MARGRPO_REWARD_TOKEN), then
 1. load: for each N of --clients, N clients (threads of this process, each its own
    scorers.remote.RemoteReward) send --requests batches of --images images each, all at once;
    throughput (images/s, requests/s over the wall time of all requests) and the latency of one
@@ -30,7 +31,7 @@ import torch
 import rewards
 from demo import shapes
 from infra import checkpoints, flags, processes
-from scorers import server
+from scorers import remote, server, wire
 
 
 def batch(n, size, seed):
@@ -43,24 +44,29 @@ def batch(n, size, seed):
     return images, [m["prompt"] for m in metas], metas
 
 
+def client(url):
+    """The `server` settings of rewards.build_reward for `url`, the token from MARGRPO_REWARD_TOKEN."""
+    return dict(url=url, token=os.environ.get(wire.TOKEN_ENV) or None)
+
+
 def percentile(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
 def load(url, reward, clients, requests, images, size):
     """`clients` threads × `requests` calls of a batch of `images` images of `size` px. Returns the figures (dict)."""
-    fns = [rewards.build_reward(reward, server=dict(url=url)) for _ in range(clients)]
+    fns = [rewards.build_reward(reward, server=client(url)) for _ in range(clients)]
     batches = [batch(images, size, seed) for seed in range(clients)]
     latencies, start = [[] for _ in range(clients)], threading.Barrier(clients + 1)
 
-    def client(k):
+    def run(k):
         fns[k](*batches[k])  # a warm-up call, untimed
         start.wait()
         for _ in range(requests):
             t = time.perf_counter()
             fns[k](*batches[k])
             latencies[k].append(time.perf_counter() - t)
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
     start.wait()
@@ -76,7 +82,7 @@ def load(url, reward, clients, requests, images, size):
 def step(url, reward, n, size, repeats):
     """Median seconds to score one step's n images of `size` px, in process and served."""
     images, prompts, metas = batch(n, size, 100)
-    fns = {"in process": rewards.build_reward(reward), "served": rewards.build_reward(reward, server=dict(url=url))}
+    fns = {"in process": rewards.build_reward(reward), "served": rewards.build_reward(reward, server=client(url))}
     times = {k: [] for k in fns}
     for _ in range(1 + repeats):
         for k, fn in fns.items():
@@ -90,6 +96,7 @@ def parse_args(argv):
     p = processes.Parser(prog="python -m benchmarks.reward_load", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
+    a("--url", default=None, help="measure the reward server at this URL (default: start one on a free loopback port)")
     a("--reward", default="shapes", help="the reward served (one name; no weight files: shapes, jpeg_*)")
     a("--clients", default="1,2,4,8", help="numbers of concurrent clients, comma-separated")
     a("--requests", type=flags.POS_INT, default=40, help="requests per client")
@@ -109,6 +116,8 @@ def parse_args(argv):
         raise ValueError(f"--clients {args.clients}: positive integers, comma-separated") from None
     if ":" in args.reward or "," in args.reward:
         raise ValueError(f"--reward {args.reward}: one reward name")
+    if args.url is not None:
+        remote.parse_url(args.url)
     rewards.build_reward(args.reward)  # an unknown name, or one that needs weight files, fails now
     if args.json:
         checkpoints.check_writable(os.path.dirname(os.path.abspath(args.json)), "--json")
@@ -120,13 +129,15 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    proc, url = server.launch(["--reward", args.reward, "--port", "0", "--threads", args.server_threads])
+    proc, url = (None, args.url) if args.url else server.launch(["--reward", args.reward, "--port", "0",
+                                                                  "--threads", args.server_threads])
     try:
         rows = [load(url, args.reward, n, args.requests, args.images, args.size) for n in args.clients]
         per_step = step(url, args.reward, args.step_images, args.size, args.repeats)
     finally:
-        proc.terminate()
-        proc.wait()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
     print(f"\n{args.reward}, {args.size}×{args.size} px, {args.images} images a request, {args.requests} requests a client; "
           f"torch {torch.__version__}, {os.cpu_count()} CPU cores, "
           f"{args.threads or 'default'} / {args.server_threads or 'default'} torch threads in the clients / the server\n")

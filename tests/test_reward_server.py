@@ -27,6 +27,7 @@ import uvicorn
 import evaluate
 import rewards
 import train
+from benchmarks import reward_load
 from demo import shapes
 from infra import processes
 from scorers import remote, server, wire
@@ -377,3 +378,16 @@ def test_two_torchrun_ranks_and_another_run_share_one_server(shared_server, loca
     assert code == 0, err
     ranks, accum = metrics(tmp_path / "ranks"), metrics(tmp_path / "accum")
     assert len(ranks) == 2 and ranks[0]["reward_mean"] == pytest.approx(accum[0]["reward_mean"], abs=1e-6)
+
+
+def test_the_load_benchmark_measures_a_running_server_and_refuses_bad_flags(shared_server, tmp_path, capsys):
+    figures = reward_load.main(["--url", shared_server[1], "--clients", "1,2", "--requests", "2", "--images", "2",
+                                "--step-images", "4", "--repeats", "1", "--json", str(tmp_path / "load.json")])
+    assert [r["clients"] for r in figures["load"]] == [1, 2] and all(r["p99_ms"] >= r["p50_ms"] > 0 for r in figures["load"])
+    assert set(figures["step_seconds"]) == {"in process", "served"} and (tmp_path / "load.json").exists()
+    for flags, line in ((["--clients", "0"], "--clients"), (["--reward", "hpsv2"], "--reward-ckpt hpsv2=PATH is required"),
+                        (["--url", "ftp://x"], "--reward-url ftp://x")):
+        capsys.readouterr()
+        assert processes.cli(reward_load.main, flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and line in err, err
