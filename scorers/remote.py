@@ -159,7 +159,8 @@ class RemoteReward(Reward):
 def error_of(body):
     """The one-line reason of an error answer's body ({"error": ...}, else its first line)."""
     try:
-        return str(json.loads(body)["error"])
+        text = str(json.loads(body)["error"])
     except (ValueError, TypeError, KeyError):
-        lines = (body or b"").decode("utf-8", "replace").strip().splitlines()
-        return lines[0][:200] if lines else "(no reason given)"
+        text = (body or b"").decode("utf-8", "replace")
+    lines = text.strip().splitlines()
+    return lines[0][:300] if lines else "(no reason given)"

@@ -98,7 +98,7 @@ def decode_request(body, served):
         raise Refused(400, "rewards: expected a non-empty list of reward names")
     unknown = [n for n in names if n not in served]
     if unknown:
-        raise Refused(400, f"unknown reward '{unknown[0][:100]}': this server serves {', '.join(served)}")
+        raise Refused(400, f"unknown reward {unknown[0][:100]!r}: this server serves {', '.join(served)}")  # repr: one line
     if len(set(names)) != len(names):
         raise Refused(400, "rewards: a name appears twice")
     prompts = request.get("prompts")

@@ -166,6 +166,7 @@ def test_bad_requests_are_one_line_4xx_answers_and_the_server_goes_on():
         "cut short": (TOKEN, good[:-8], 400, "bytes of pixels"),
         "a prompt short": (TOKEN, with_head(prompts=prompts[:1]), 400, "2 images, 1 prompts"),
         "unknown reward": (TOKEN, with_head(rewards=["hpsv2"]), 400, "unknown reward 'hpsv2': this server serves shapes"),
+        "a name of two lines": (TOKEN, with_head(rewards=["a\nb"]), 400, "unknown reward 'a\\nb'"),
         "a prompt the reward cannot read": (TOKEN, with_head(prompts=["a photo of a cat"] * 2, metadata=None), 422,
                                             "shapes: shapes reward: 'a photo of a cat' is not a shapes prompt"),
     }
@@ -232,6 +233,8 @@ def test_bad_reward_server_flags_are_one_line_and_nothing_is_written(smoke_base,
         code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "ok", "--steps", "1", "--reward-url", url,
                                                "--reward-token-file", tmp_path / "token"))
         assert code == 0, err
+        # the run records the token file's path, never the token
+        assert TOKEN not in (tmp_path / "ok" / "config.json").read_text() + str(load(tmp_path / "ok" / "ckpt" / "latest.pt")["args"])
 
 
 # -----------------------------------------------------------------------------
