@@ -1,37 +1,29 @@
-"""The reward server (scorers/server.py) and its client (scorers/remote.py): served scores equal the
-in-process ones on the same 8-bit images (the compositional rewards with their records too), bad
-requests are one-line 4xx answers after which the server goes on, and the faults a network brings,
-each with a real server on the loopback address (a subprocess, stopped by its process id): killed
-mid-run, hanging, restarted between steps, shared by two torchrun ranks and a second run.
-docs/reward_server.md and docs/faults.md list the cases."""
+"""The reward server (scorers/server.py) and its client (scorers/remote.py), served in a thread of
+the test: every reward scores the 8-bit image, served scores equal the in-process ones on the same
+images (the compositional rewards with their records too, NaN images, 503 tried again), bad requests
+are one-line 4xx answers after which the server goes on, bad flags of the server and of a run are
+one line. The faults of a network, with a server in its own process: test_reward_faults.py."""
 
 import contextlib
 import http.client
 import io
 import json
-import os
 import pickle
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import uvicorn
+from fastapi.responses import JSONResponse
 
-import evaluate
 import rewards
-import train
-from benchmarks import reward_load
 from demo import shapes
 from infra import processes
 from scorers import remote, server, wire
-from tests.helpers import ENV, ROOT, TRAIN, cli, grpo_flags, load, metrics
+from tests.helpers import cli, grpo_flags, load
 from tests.test_composition_models import records_of, save_gdino, save_git
 from tests.test_evaluate import save_tiny_hps, tiny_hps
 
@@ -39,14 +31,22 @@ TOKEN = "a-test-token-of-enough-length"
 
 
 @contextlib.contextmanager
-def in_thread(served, token=None, max_body=1 << 20):
+def in_thread(served, token=None, max_body=1 << 20, busy=0):
     """make_app(served) under uvicorn in a thread of this process (tiny models registered here
-    are served as built here). Yields the URL."""
+    are served as built here), its first `busy` POSTs answered 503. Yields the URL."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    srv = uvicorn.Server(uvicorn.Config(server.make_app(served, token, max_body), log_level="error", access_log=False))
+    app, busy = server.make_app(served, token, max_body), [busy]
+
+    @app.middleware("http")
+    async def overloaded(request, call_next):
+        if request.method == "POST" and busy[0] > 0:
+            busy[0] -= 1
+            return JSONResponse({"error": "busy"}, status_code=503)
+        return await call_next(request)
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False))
     thread = threading.Thread(target=srv.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     while not srv.started:
@@ -116,6 +116,13 @@ def test_served_shapes_and_jpeg_equal_in_process_details_and_nan_images_too():
         images[1, 0, 2, 2] = float("nan")  # cannot be sent as 8-bit: NaN, the update is skipped
         s_nan, _ = served(images, prompts, metas)
         assert s_nan[1].isnan() and torch.equal(s_nan[[0, 2, 3]], s_local[[0, 2, 3]])
+    images = shapes_batch()[0]
+    with in_thread({"shapes": local.components[0][2]}, busy=2) as url:  # 503 is tried again, within the retries
+        assert torch.equal(rewards.build_reward("shapes", server=dict(url=url, retries=2))(images, prompts, metas)[0],
+                           local.components[0][2](images, prompts, metas)[0])
+    with in_thread({"shapes": local.components[0][2]}, busy=2) as url, pytest.raises(rewards.RewardFailed) as e:
+        rewards.build_reward("shapes", server=dict(url=url, retries=1))(images, prompts, metas)
+    assert f"{url}: no answer after 2 tries in" in str(e.value) and "(the last: HTTP 503 busy)" in str(e.value)
 
 
 def test_served_hps_git_and_gdino_equal_in_process_with_the_records(tmp_path, monkeypatch):
@@ -235,162 +242,3 @@ def test_bad_reward_server_flags_are_one_line_and_nothing_is_written(smoke_base,
         assert code == 0, err
         # the run records the token file's path, never the token
         assert TOKEN not in (tmp_path / "ok" / "config.json").read_text() + str(load(tmp_path / "ok" / "ckpt" / "latest.pt")["args"])
-
-
-# -----------------------------------------------------------------------------
-# The faults of a network, with a server in its own process
-
-def start_server(port=0, log=None):
-    return server.launch(["--reward", "shapes,jpeg_incompressibility", "--port", port, "--threads", "1"], env=ENV, log=log)
-
-
-@pytest.fixture(scope="module")
-def shared_server(tmp_path_factory):
-    """A reward server of `shapes` and `jpeg_incompressibility` in its own process. Yields (process, url)."""
-    proc, url = start_server(log=open(tmp_path_factory.mktemp("server") / "log.txt", "w"))
-    yield proc, url
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, smoke_base):
-    """The reference: 5 steps with the reward in process, a checkpoint after each."""
-    out = tmp_path_factory.mktemp("local")
-    assert train.cli(grpo_flags(str(smoke_base), str(out), "--steps", "5", "--save-every", "1")) == 0
-    return out
-
-
-def assert_same_run(a, b, rows=None):
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("t_")} for r in rs]  # noqa: E731
-    assert strip(metrics(a))[:rows] == strip(metrics(b))[:rows]
-    if rows is None:
-        x, y = load(Path(a) / "ckpt" / "latest.pt"), load(Path(b) / "ckpt" / "latest.pt")
-        assert x["step"] == y["step"] and all(torch.equal(x["model"][k], y["model"][k]) for k in y["model"])
-
-
-def when_rows(out, n, action):
-    """action() in a thread as soon as out/metrics.jsonl has n rows."""
-    def watch():
-        path, deadline = Path(out) / "metrics.jsonl", time.time() + 300
-        while time.time() < deadline:
-            if path.exists() and len(path.read_text().splitlines()) >= n:
-                return action()
-            time.sleep(0.01)
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
-def error_lines(err):
-    return [line for line in err.splitlines() if line.startswith("error")]
-
-
-def test_a_served_run_equals_the_run_in_process(local_run, shared_server, smoke_base, tmp_path, capsys):
-    code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "run", "--steps", "5", "--save-every", "1",
-                                           "--reward-url", shared_server[1]))
-    assert code == 0, err
-    assert_same_run(tmp_path / "run", local_run)
-
-
-def test_evaluate_with_a_server_writes_the_table_of_the_rewards_in_process(shared_server, smoke_base, tmp_path, capsys):
-    (tmp_path / "prompts.txt").write_text("a red circle\ntwo blue squares\n")
-    flags = ["--ckpt", f"base={smoke_base}", "--prompts", tmp_path / "prompts.txt", "--images-per-prompt", "2",
-             "--reward", "shapes,jpeg_incompressibility", "--preset", "smoke", "--num-iter", "2", "--num-sampling-steps", "4"]
-    tables = {}
-    for name, more in (("local", []), ("served", ["--reward-url", shared_server[1]])):
-        capsys.readouterr()
-        assert evaluate.cli([str(f) for f in [*flags, "--out", tmp_path / name, *more]]) == 0, capsys.readouterr().err
-        tables[name] = (tmp_path / name / "table.md").read_text(), (tmp_path / name / "base" / "scores.jsonl").read_text()
-    assert tables["served"] == tables["local"] and "shapes_accuracy" in tables["local"][1]
-
-
-def test_a_server_that_hangs_stops_the_run_in_one_line(shared_server, smoke_base, tmp_path, capsys):
-    proc, url = shared_server
-    out = tmp_path / "run"
-    watcher = when_rows(out, 1, lambda: os.kill(proc.pid, signal.SIGSTOP))  # the server stops answering
-    try:
-        t0 = time.time()
-        code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "5", "--reward-url", url, "--reward-timeout", "1"))
-        assert time.time() - t0 < 60 and code == 1 and "Traceback" not in err, err
-        assert error_lines(err) == [f"error: --reward-url {url}: no answer within 1 s (--reward-timeout): the server hangs "
-                                    "or is overloaded; checkpoints so far are intact, `--resume` continues once the server answers"]
-    finally:
-        watcher.join()
-        os.kill(proc.pid, signal.SIGCONT)  # and it serves again (the other tests use it)
-    assert request(url, None, None, "GET", "/info")[0] == 200
-
-
-def test_a_server_killed_mid_run_stops_it_and_resume_after_its_restart_is_exact(local_run, smoke_base, tmp_path, capsys):
-    log = open(tmp_path / "server.txt", "w")
-    proc, url = start_server(log=log)
-    servers, port = [proc], url.rsplit(":", 1)[1]
-
-    def restart():  # SIGKILL by its process id, then a new server on the same address
-        servers[-1].kill()
-        servers[-1].wait()
-        servers.append(start_server(port, log=log)[0])
-    out = tmp_path / "run"
-    flags = grpo_flags(smoke_base, out, "--steps", "5", "--save-every", "1", "--reward-url", url, "--reward-retries", "2")
-    try:
-        watcher = when_rows(out, 2, proc.kill)
-        t0 = time.time()
-        code, _, err = cli(capsys, *flags)
-        watcher.join()
-        lines = error_lines(err)
-        assert code == 1 and len(lines) == 1 and "Traceback" not in err and time.time() - t0 < 120, err
-        assert lines[0].startswith(f"error: --reward-url {url}: no answer after 3 tries in ") and "--resume" in lines[0]
-        done = len(metrics(out))
-        assert 2 <= done < 5 and load(out / "ckpt" / "latest.pt")["step"] == done  # the last checkpoint, intact
-
-        restart()  # the server is back: --resume continues as the uninterrupted run, bit for bit
-        code, stdout, err = cli(capsys, *flags, "--resume")
-        assert code == 0 and f"resumed from step {done}" in stdout, err
-        assert_same_run(out, local_run)
-
-        # a run goes on across a restart of the server between its steps (within its retries)
-        watcher = when_rows(tmp_path / "across", 2, restart)
-        code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "across", "--steps", "5", "--save-every", "1",
-                                               "--reward-url", url, "--reward-retries", "8"))
-        watcher.join()
-        assert code == 0 and len(servers) == 3, err
-        assert_same_run(tmp_path / "across", local_run)
-    finally:
-        for p in servers:
-            p.kill()
-            p.wait()
-
-
-def test_two_torchrun_ranks_and_another_run_share_one_server(shared_server, local_run, smoke_base, tmp_path, capsys):
-    url = shared_server[1]
-    torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
-         *grpo_flags(str(smoke_base), str(tmp_path / "ranks"), "--steps", "2", "--reward-url", url)],
-        cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:  # meanwhile a second run, in this process, on the same server
-        code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "other", "--steps", "3", "--reward-url", url))
-        assert code == 0, err
-        assert_same_run(tmp_path / "other", local_run, rows=3)
-        output, _ = torchrun.communicate(timeout=300)
-    finally:
-        torchrun.kill()
-    assert torchrun.returncode == 0, output[-3000:]
-    # 2 ranks draw what 1 process with 2 micro-batches draws: the same images, so the same served rewards
-    code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "accum", "--steps", "1", "--grad-accum", "2"))
-    assert code == 0, err
-    ranks, accum = metrics(tmp_path / "ranks"), metrics(tmp_path / "accum")
-    assert len(ranks) == 2 and ranks[0]["reward_mean"] == pytest.approx(accum[0]["reward_mean"], abs=1e-6)
-
-
-def test_the_load_benchmark_measures_a_running_server_and_refuses_bad_flags(shared_server, tmp_path, capsys):
-    figures = reward_load.main(["--url", shared_server[1], "--clients", "1,2", "--requests", "2", "--images", "2",
-                                "--step-images", "4", "--repeats", "1", "--json", str(tmp_path / "load.json")])
-    assert [r["clients"] for r in figures["load"]] == [1, 2] and all(r["p99_ms"] >= r["p50_ms"] > 0 for r in figures["load"])
-    assert set(figures["step_seconds"]) == {"in process", "served"} and (tmp_path / "load.json").exists()
-    for flags, line in ((["--clients", "0"], "--clients"), (["--reward", "hpsv2"], "--reward-ckpt hpsv2=PATH is required"),
-                        (["--url", "ftp://x"], "--reward-url ftp://x")):
-        capsys.readouterr()
-        assert processes.cli(reward_load.main, flags) == 2
-        err = capsys.readouterr().err.strip()
-        assert "\n" not in err and line in err, err
