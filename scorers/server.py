@@ -167,7 +167,7 @@ def parse_args(argv=None):
     a("--port", type=bounded(int, 0, 65535), default=8100, help="port (0: a free one, printed)")
     a("--token-file", default=None, help=f"a file holding the shared token (default: the {TOKEN_ENV} variable)")
     a("--max-body-mb", type=bounded(float, 1e-3, 1 << 20), default=64.0,
-      help="largest request body in MiB (64: ~60 images of 512 px as sent)")
+      help="largest request body in MiB (64: ~85 images of 512 px)")
     a("--max-connections", type=bounded(int, 1, 1 << 16), default=64,
       help="requests in flight at once; more are answered 503 and the clients retry")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the reward models run")
