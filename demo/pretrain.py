@@ -84,6 +84,10 @@ def build_parser():
     a("--cell", type=NONNEG_INT, default=0, help="objects aligned to cells of this many pixels (0 = free)")
     a("--unmentioned", type=number(float, 0, 1), default=0.0,
       help="probability that an image shows one more object than its prompt says (shapes.make_dataset)")
+    a("--relation-p", type=number(float, 0, 1), default=1.0,
+      help="probability that a spatial prompt's image keeps its relation; otherwise its objects lie anywhere")
+    a("--categories", nargs="+", default=list(shapes.CATEGORIES), choices=shapes.CATEGORIES,
+      help="the prompt categories drawn, each equally often")
     a("--pretrain-steps", type=NONNEG_INT, default=2000, help="optimizer steps")
     a("--pretrain-batch", type=POS_INT, default=32, help="images per step (global)")
     a("--pretrain-lr", type=POS_FLOAT, default=1e-3, help="peak learning rate")
@@ -191,7 +195,8 @@ def data(args, ctx, step, codec):
     a different slice on every rank. Returns latents (B, 3, H, W) in [-1, 1] and ids (B, S)."""
     rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
     imgs, metas = shapes.make_dataset(args.pretrain_batch // ctx.world, args.img_size, rng, split="train", cell=args.cell,
-                                      unmentioned=args.unmentioned)  # divisibility: check_inputs
+                                      unmentioned=args.unmentioned, relation_p=args.relation_p,
+                                      categories=tuple(args.categories))  # divisibility: check_inputs
     x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
     return x, torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)
 

@@ -214,7 +214,13 @@ def _side_range(size):
     return lo, max(lo, round(0.36 * size))
 
 
-def _relation_holds(dy, dx, relation, ratio=1.0, gap=0.0):
+# A relation holds clearly: the subject-minus-reference centroid offset along the relation's axis
+# exceeds 1.5 x the offset across it plus one pixel. The renderer places spatial prompts so, and the
+# verifier checks the same rule (a diagonal pair of cells is neither drawn nor paid for).
+RELATION_RATIO, RELATION_GAP = 1.5, 1.0
+
+
+def _relation_holds(dy, dx, relation, ratio=RELATION_RATIO, gap=RELATION_GAP):
     """Subject-minus-reference centroid offset (dy, dx; y down) satisfies `relation`:
     the offset along the relation's axis has the right sign and |along| > ratio * |across| + gap."""
     along, across = {"left of": (-dx, dy), "right of": (dx, dy),
@@ -243,7 +249,7 @@ def _layout(shapes, size, rng, relation):
             continue
         if relation is not None:
             (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes[:2], boxes[:2]))
-            if not _relation_holds(ys - yr, xs - xr, relation, ratio=1.5, gap=1.0):
+            if not _relation_holds(ys - yr, xs - xr, relation):
                 continue
         return boxes
     # Deterministic fallback: smallest objects on a grid, or at both ends of the relation's axis.
@@ -272,12 +278,12 @@ def _cell_layout(shapes, size, rng, relation, cell):
         if relation is None:
             return boxes
         (ys, xs), (yr, xr) = (_centroid(s, *b) for s, b in zip(shapes[:2], boxes[:2]))
-        if _relation_holds(ys - yr, xs - xr, relation, ratio=1.5, gap=1.0):
+        if _relation_holds(ys - yr, xs - xr, relation):
             return boxes
     raise ValueError(f"no {cell}-px cell layout of {shapes} satisfies {relation!r}")
 
 
-def render(meta, size=32, rng=None, cell=0, unmentioned=()):
+def render(meta, size=32, rng=None, cell=0, unmentioned=(), follow_relation=True):
     """Draw a prompt: (size, size, 3) uint8 RGB, black background.
 
     meta: metadata dict (see module docstring); size: canvas side in pixels (>= 16); rng:
@@ -285,7 +291,9 @@ def render(meta, size=32, rng=None, cell=0, unmentioned=()):
     cell: 0 for free sizes and positions, or a cell size in pixels to align every object to a
     grid of cells (`_cell_layout`; `python -m demo.pretrain --cell`: with 2-pixel tokens, objects
     aligned to 8-px cells are what a small base learns to draw); unmentioned: (colour, shape) pairs
-    drawn besides the prompt's objects (an under-captioned image, `make_dataset`), placed after them.
+    drawn besides the prompt's objects (an under-captioned image, `make_dataset`), placed after them;
+    follow_relation: False places a spatial prompt's two objects as any two objects (a caption whose
+    relation the image does not keep, `make_dataset`'s relation_p).
     """
     if rng is None:
         raise ValueError("render needs rng: a numpy.random.Generator")
@@ -301,7 +309,8 @@ def render(meta, size=32, rng=None, cell=0, unmentioned=()):
     items += list(unmentioned)  # after the prompt's objects: a spatial prompt's pair stays first
     image = np.zeros((size, size, 3), dtype=np.uint8)  # (H, W, RGB)
     shapes_ = [s for _, s in items]
-    boxes = _cell_layout(shapes_, size, rng, meta.get("relation"), cell) if cell else _layout(shapes_, size, rng, meta.get("relation"))
+    relation = meta.get("relation") if follow_relation else None
+    boxes = _cell_layout(shapes_, size, rng, relation, cell) if cell else _layout(shapes_, size, rng, relation)
     for (color, shape), (y, x, side) in zip(items, boxes):
         image[y:y + side, x:x + side][_patch(shape, side)] = COLORS[color]
     return image
@@ -319,18 +328,22 @@ def unmentioned_object(meta, size, rng, cell=0):
     return pairs[rng.integers(len(pairs))]
 
 
-def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0):
+def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0, relation_p=1.0, categories=CATEGORIES):
     """n rendered prompts of a split: images (n, size, size, 3) uint8 and their metadata dicts.
 
     unmentioned: the probability that an image also shows one object its prompt does not mention
     (`unmentioned_object`), as web images show more than their captions say; the verifier counts
     such an object as an error, so a base pretrained on these data makes an error that RL can remove
-    (`python -m demo.pretrain --unmentioned`). At 0 the images and the random stream are those of the
-    clean world.
+    (`python -m demo.pretrain --unmentioned`). relation_p: the probability that a spatial prompt's
+    image keeps its relation; otherwise its two objects lie anywhere (a caption that is only partly
+    reliable, so a base learns the relation as a tendency RL can strengthen); categories: the prompt
+    categories drawn (`sample_prompts`). At unmentioned 0, relation_p 1 and every category the images
+    and the random stream are those of the clean world.
     """
-    metas = sample_prompts(n, rng, split)
+    metas = sample_prompts(n, rng, split, categories)
     images = np.zeros((n, size, size, 3), dtype=np.uint8)  # (n, H, W, RGB)
     for i, meta in enumerate(metas):
         extra = unmentioned_object(meta, size, rng, cell) if unmentioned and rng.random() < unmentioned else None
-        images[i] = render(meta, size, rng, cell, unmentioned=[extra] if extra else ())
+        follow = relation_p >= 1 or meta["category"] != "spatial" or rng.random() < relation_p
+        images[i] = render(meta, size, rng, cell, unmentioned=[extra] if extra else (), follow_relation=follow)
     return images, metas

@@ -15,18 +15,22 @@ Per requested object j (colour c_j, shape s_j, count n_j), with D the detected o
     o_j     = (color_j + shape_j + present_j + count_j) / 4      (booleans count as 0 / 1)
 The category's pass criterion (as in GenEval) is the key check k: single present_0; two_objects
 present_0 and present_1; counting count_0; spatial relation, which compares the pixel centroids
-of the largest subject and reference instances: "left of" holds iff dx < 0 and |dx| > |dy|
-(dx, dy = subject - reference, y down), and likewise for the other relations. Then
+of the largest subject and reference instances by the rule the renderer places them by: "left of"
+holds iff dx < 0 and |dx| > 1.5 |dy| + 1 (dx, dy = subject - reference in pixels, y down;
+shapes.RELATION_RATIO and RELATION_GAP), and likewise for the other relations, so a diagonal pair
+of cells holds no relation (`relation_chance`: the rate of random placement). Then
     score = ( mean_j o_j + k ) / 2  /  (1 + n_extra)
 with n_extra the detected objects whose (colour, shape) was not requested (wrong-colour objects,
 "other" blobs). score == 1 iff every check passes and nothing extra is there ("correct").
 """
 
+import itertools
+
 import numpy as np
 import torch
 from scipy import ndimage
 
-from demo.shapes import COLORS, _relation_holds, parse_prompt
+from demo.shapes import COLORS, _patch, _relation_holds, parse_prompt
 from rewards import Reward
 
 EXTENT_SQUARE, EXTENT_CIRCLE, EXTENT_TRIANGLE, MAX_ASPECT = 0.92, 0.66, 0.35, 1.5
@@ -147,6 +151,24 @@ def verify_batch(images, metas):
     found = detect_objects(np.ascontiguousarray(images.transpose(0, 2, 3, 1)))  # (B, H, W, 3)
     results = [_score(f, m) for f, m in zip(found, metas)]
     return np.array([s for s, _ in results], dtype=np.float32), [d for _, d in results]
+
+
+def relation_chance(metas, size=16, cell=8):
+    """The relation's rate under random placement, as the verifier scores it: for each spatial meta,
+    every ordered pair of distinct cells for subject and reference is drawn and verified; the mean
+    over metas of the share whose relation holds. On a 2 × 2 grid with the verifier's rule (the
+    renderer's) a relation holds for 2 of the 12 placements: 1/6."""
+    n, rates = size // cell, []
+    for meta in metas:
+        holds = []
+        for a, b in itertools.permutations(range(n * n), 2):
+            image = np.zeros((size, size, 3), dtype=np.uint8)  # (H, W, RGB)
+            for o, c in zip(meta["objects"], (a, b)):
+                y, x = c // n * cell, c % n * cell
+                image[y:y + cell - 1, x:x + cell - 1][_patch(o["shape"], cell - 1)] = COLORS[o["color"]]
+            holds.append(verify(image, meta)[1]["relation"] is True)
+        rates.append(np.mean(holds))
+    return float(np.mean(rates))
 
 
 class ShapesReward(Reward):

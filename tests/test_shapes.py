@@ -1,4 +1,5 @@
 """Tests for demo/shapes.py: grammar, split, tokenizer, renderer, verifier (CPU, seeded, seconds)."""
+import itertools
 import json
 
 import numpy as np
@@ -193,6 +194,65 @@ def test_verifier_rejects_swapped_relations_wrong_colours_and_counts():
         wrong = dict(meta, objects=[dict(meta["objects"][0], count=n % 4 + 1)])
         score, d = verifier.verify(image, wrong)
         assert not d["count"] and d["objects"][0]["found"] == n and score <= 0.375
+
+
+def test_verifier_pays_a_relation_exactly_where_the_renderer_draws_one():
+    """The verifier's relation rule is the renderer's (|along| > 1.5 |across| + 1): in the cell world
+    a pair of cells in one row or column is paid, a diagonal pair is paid for no relation, and the
+    rule's edge sits where stated."""
+    meta = shapes.parse_prompt("a red square left of a green circle")
+    subject, reference = shapes._patch("square", 7), shapes._patch("circle", 7)
+    paid = {}
+    for (rs, cs), (rr, cr) in itertools.permutations(itertools.product(range(2), range(2)), 2):
+        image = np.zeros((16, 16, 3), dtype=np.uint8)
+        image[rs * 8:rs * 8 + 7, cs * 8:cs * 8 + 7][subject] = shapes.COLORS["red"]
+        image[rr * 8:rr * 8 + 7, cr * 8:cr * 8 + 7][reference] = shapes.COLORS["green"]
+        paid[(rs, cs), (rr, cr)] = verifier.verify(image, meta)[1]["relation"]
+    assert {k for k, v in paid.items() if v} == {((0, 0), (0, 1)), ((1, 0), (1, 1))}
+    assert paid[(1, 0), (0, 1)] is False and paid[(0, 0), (1, 1)] is False  # diagonals: not paid
+    holds = shapes._relation_holds
+    assert holds(0, -7.1, "left of") and not holds(4, -7.0, "left of")  # 7.0 = 1.5 * 4 + 1: not beyond the edge
+    assert holds(-7.1, 0, "above") and not holds(-6.9, 4, "above") and not holds(7.1, 0, "above")
+    rng = np.random.default_rng(5)
+    for meta in shapes.sample_prompts(60, rng, "all", categories=("spatial",)):
+        for cell in (0, 8):
+            assert verifier.verify(shapes.render(meta, 16, rng, cell=cell), meta)[1]["relation"] is True
+
+
+def test_relation_chance_is_one_sixth_in_the_two_by_two_cell_world(monkeypatch):
+    """verifier.relation_chance: under the verifier's rule a relation holds for 2 of the 12 ordered
+    placements of two objects in distinct cells of 2 × 2 (never diagonally), on both splits; the
+    looser rule |along| > |across| pays for diagonals and gives more."""
+    for split in ("train", "heldout"):
+        metas = shapes.sample_prompts(12, np.random.default_rng(0), split, categories=("spatial",))
+        assert verifier.relation_chance(metas) == pytest.approx(1 / 6)
+    monkeypatch.setattr(verifier, "_relation_holds", lambda dy, dx, rel: shapes._relation_holds(dy, dx, rel, 1.0, 0.0))
+    assert verifier.relation_chance(metas) > 0.19
+
+
+def test_relation_p_keeps_the_relation_with_that_probability_and_changes_nothing_at_one():
+    """make_dataset(relation_p=p): a spatial prompt's image keeps its relation with probability p
+    (plus chance otherwise); other categories are untouched; p = 1 with every category is the clean
+    world, draw for draw; categories restricts the prompts drawn."""
+    def rate(p, seed):
+        imgs, metas = shapes.make_dataset(600, 16, np.random.default_rng(seed), cell=8, relation_p=p)
+        spatial = [(i, m) for i, m in zip(imgs, metas) if m["category"] == "spatial"]
+        return np.mean([verifier.verify(i, m)[1]["relation"] is True for i, m in spatial]), len(spatial)
+
+    assert rate(1.0, 0)[0] == 1.0
+    r0, n = rate(0.0, 1)
+    assert abs(r0 - 1 / 6) < 3 * np.sqrt(1 / 6 * 5 / 6 / n)  # random distinct cells: 2 of 12 placements hold
+    r_half, n = rate(0.5, 2)
+    assert abs(r_half - (0.5 + 0.5 / 6)) < 3 * np.sqrt(0.25 / n)
+    a = shapes.make_dataset(40, 16, np.random.default_rng(3), cell=8)
+    b = shapes.make_dataset(40, 16, np.random.default_rng(3), cell=8, relation_p=1.0)
+    assert np.array_equal(a[0], b[0]) and a[1] == b[1]
+    c = shapes.make_dataset(40, 16, np.random.default_rng(3), cell=8, categories=shapes.CATEGORIES)
+    assert np.array_equal(a[0], c[0]) and a[1] == c[1]
+    assert {m["category"] for m in shapes.make_dataset(40, 16, np.random.default_rng(3), categories=("spatial",))[1]} == {"spatial"}
+    imgs0, metas0 = shapes.make_dataset(200, 16, np.random.default_rng(4), cell=8, relation_p=0.0)
+    scores = [verifier.verify(i, m)[0] for i, m in zip(imgs0, metas0) if m["category"] != "spatial"]
+    assert scores and min(scores) == 1.0
 
 
 def test_verifier_gives_blank_and_noise_images_low_scores():
