@@ -143,6 +143,11 @@ class PolicyLoss(nn.Module):
                                  batch.trajectories, batch.uncertain, old)
 
 
+# the update's loss module by name (--loss, a lab option): make(policy, args) -> a module with
+# PolicyLoss's forward; experiments/ registers its controls here (the RAFT control, experiments/raft.py)
+LOSSES = {"grpo": lambda model, args: PolicyLoss(model)}
+
+
 def backward_batch(loss_module, ref, batch, settings, autocast, scale=1.0, sync=True):
     """Backpropagate L = −mean_i (P_i − β KL_i) of one micro-batch: each trained AR step's loss /
     #steps, one step at a time (each graph is freed before the next). Under DDP (`loss_module` a
@@ -215,7 +220,7 @@ def build_policy(args, ctx, settings, base):
         fsdp.shard(model, ctx.world, ctx.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    loss_module = PolicyLoss(model)
+    loss_module = LOSSES[args.loss](model, args)
     if ctx.ddp and not args.fsdp:  # FSDP reduces the gradients itself (infra/fsdp.py, item 4)
         loss_module = DDP(loss_module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return model, params, opt, loss_module

@@ -26,6 +26,7 @@ import torch
 import rewards
 import train
 from demo import pretrain, shapes, verifier
+from experiments import raft
 from infra import flags, processes
 
 FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
@@ -76,6 +77,8 @@ class ShapesRelationReward(verifier.ShapesReward):
 def lab_flags(p):
     p.add_argument("--train-ar-below", type=flags.NONNEG_INT, default=0,
                    help="draw the trained AR steps from the first N only (0 = from all, as released; not in the paper)")
+    p.add_argument("--loss", default="grpo", choices=sorted(train.LOSSES),
+                   help="the update's loss: grpo, or raft (the supervised control of experiments/raft.py; not in the paper)")
 
 
 flags.PRESETS.update(PRESETS)
@@ -83,6 +86,7 @@ flags.EXTENSIONS.append(lab_flags)
 pretrain.PRESETS.update(PRETRAIN_PRESETS)
 rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
 rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
+train.LOSSES["raft"] = lambda model, args: raft.RAFTLoss(model, args.group_size)
 
 
 def main(argv=None):

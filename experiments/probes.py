@@ -3,6 +3,7 @@ tuning anything on top of it.
 
     python -m experiments.probes --context-probe demo/base.pt    # does the base use its canvas? (in the preset's world)
     python -m experiments.probes --noise-probe demo/base.pt      # where does a rollout's randomness decide the image?
+    python -m experiments.probes --relation-probe BASE [--split heldout]   # does the base use the relation word?
 
 Every other flag is train.py's (the preset's sampling flags); --cell gives the base's world.
 """
@@ -19,6 +20,7 @@ import rollout
 from demo import shapes, verifier
 from diffloss import reverse_sample
 from experiments import lab  # noqa: F401  (registers the lab's presets: --preset free16)
+from experiments import spatial
 from infra import flags, processes
 from infra.prompts import Prompts
 from models import loading, vae
@@ -205,22 +207,115 @@ def run_context_probe(path, args, cell, out):
     return res
 
 
+# -----------------------------------------------------------------------------
+# Does the base use the relation word? (the cell world)
+
+# the cell a relation asks for, from the subject's (row, column) on a 2 × 2 grid; the subject's cell
+# must leave room: "left of" puts the subject in column 0 and asks for the reference in column 1
+ASKED = {"left of": (0, 1), "right of": (0, -1), "above": (1, 0), "below": (-1, 0)}  # (d_row, d_col) subject -> reference
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def complete(model, cond, tokens, unknown, num_iter, temperature, generator):
+    """Write the unknown tokens of a canvas: tokens (B, L, C), unknown (B, L) bool with the same
+    count n in every row, in a random order over `model.ar_schedule(num_iter, n)` steps at CFG 1 (as
+    the demo samples; `spatial.continue_rollout`). Returns the tokens (B, L, C)."""
+    n = int(unknown[0].sum())
+    noise = torch.rand(unknown.shape, generator=generator).masked_fill(~unknown, 2.0)  # (B, L), known ones last
+    return spatial.continue_rollout(model, cond, tokens, unknown, noise.argsort(dim=1), 0, num_iter, temperature,
+                                    generator, counts=model.ar_schedule(num_iter, n))
+
+
+def subject_canvases(model, metas, rng, cell=8):
+    """For spatial metas, an image holding only the subject, drawn in a random cell that leaves room
+    for the asked reference cell, and the tokens (B, L) bool of the subject's cell (known). Returns
+    (images (B, H, W, 3) uint8, known (B, L) bool, asked cells [(row, col)])."""
+    size, p = model.img_size, model.patch_size
+    n = size // cell
+    images, known, asked = np.zeros((len(metas), size, size, 3), dtype=np.uint8), [], []
+    for b, meta in enumerate(metas):
+        d_row, d_col = ASKED[meta["relation"]]
+        rows = [r for r in range(n) if 0 <= r + d_row < n]
+        cols = [c for c in range(n) if 0 <= c + d_col < n]
+        r, c = int(rng.choice(rows)), int(rng.choice(cols))
+        subject = meta["objects"][0]
+        images[b, r * cell:r * cell + cell - 1, c * cell:c * cell + cell - 1][shapes._patch(subject["shape"], cell - 1)] = \
+            shapes.COLORS[subject["color"]]
+        grid = torch.zeros(size // p, size // p, dtype=torch.bool)  # (h, w) token grid
+        grid[r * cell // p:(r + 1) * cell // p, c * cell // p:(c + 1) * cell // p] = True
+        known.append(grid.flatten())
+        asked.append((r + d_row, c + d_col))
+    return images, torch.stack(known), asked
+
+
+@torch.no_grad()
+def relation_probe(model, metas, temperature=1.0, num_iter=16, seed=0, cell=8, batch=128):
+    """Does a base place the reference where the relation word asks? For each spatial prompt of
+    `metas` (one image each), the subject is drawn alone in its cell and known, and the base completes
+    the image (`complete`) under the prompt, under the prompt with the opposite relation, and under
+    the prompt with a relation of the other axis. Among completions that draw the reference object
+    exactly once (and nothing else), the share whose reference lands in the cell the original
+    prompt asks for: a base that uses the word puts it there under the prompt and elsewhere under the
+    opposite one; one that ignores it lands there 1/3 of the time under all three (3 free cells).
+    Returns {"asked", "opposite", "other_axis": {"rate", "n", "drawn"}}."""
+    rng = np.random.default_rng([seed, 41])
+    images, known, asked = subject_canvases(model, metas, rng, cell)
+    tokens0 = model.patchify(vae.PixelCodec().encode(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255))
+    other_axis = {"left of": "above", "right of": "below", "above": "left of", "below": "right of"}
+    res = {}
+    for name, relation_of in (("asked", lambda r: r), ("opposite", OPPOSITE.get), ("other_axis", other_axis.get)):
+        prompts = [m["prompt"].replace(f" {m['relation']} ", f" {relation_of(m['relation'])} ") for m in metas]
+        hits = drawn = 0
+        for b0 in range(0, len(metas), batch):
+            sl = slice(b0, b0 + batch)
+            cond = model.condition(prompt_ids=torch.from_numpy(shapes.tokenize(prompts[sl])))
+            g = torch.Generator().manual_seed(seed * 1000003 + b0)  # the same noise under every prompt
+            tokens = complete(model, cond, tokens0[sl] * known[sl, :, None], ~known[sl], num_iter, temperature, g)
+            pixels = vae.PixelCodec().decode(model.unpatchify(tokens)).permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
+            for found, meta, cell_asked in zip(verifier.detect_objects(pixels), metas[sl], asked[sl]):
+                ref = meta["objects"][1]
+                refs = [d for d in found if (d["color"], d["shape"]) == (ref["color"], ref["shape"])]
+                if len(refs) == 1 and len(found) == 2:
+                    drawn += 1
+                    hits += (int(refs[0]["y"] // cell), int(refs[0]["x"] // cell)) == cell_asked
+        res[name] = dict(rate=hits / max(drawn, 1), n=drawn, drawn=drawn / len(metas))
+    return res
+
+
+def run_relation_probe(path, args, split, cell, out):
+    """`relation_probe` of the base at `path` on every spatial prompt of `split`, at args.temperature,
+    in the world of `cell`-px cells."""
+    model = loading.load_policy(args, path, "--relation-probe")
+    res = relation_probe(model, spatial.spatial_prompts(split), args.temperature, args.num_iter, args.seed, cell)
+    out(f"relation probe of {path} ({split} split, τ {args.temperature:g}): the subject drawn and known, the reference "
+        "lands in the cell the prompt asks for (chance 1/3), among completions that draw it once and nothing else")
+    for name, r in res.items():
+        sem = (r["rate"] * (1 - r["rate"]) / max(r["n"], 1)) ** 0.5
+        out(f"  {name:>10} relation word: {r['rate']:.3f} ± {sem:.3f} of {r['n']} ({r['drawn']:.0%} of completions counted)")
+    return res
+
+
 def main(argv=None):
     """`python -m experiments.probes ...`: one probe of a base; returns its figures."""
     p = processes.Parser(prog="python -m experiments.probes", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context-probe", default=None, metavar="BASE", help="does this base use the canvas? (context_probe)")
     p.add_argument("--noise-probe", default=None, metavar="BASE", help="which random draws decide an image? (noise_probe)")
+    p.add_argument("--relation-probe", default=None, metavar="BASE", help="does this base use the relation word? "
+                                                                          "(relation_probe; in cells of --cell or 8 px)")
     p.add_argument("--cell", type=flags.NONNEG_INT, default=0, help="the base's world: objects in cells of this many pixels")
+    p.add_argument("--split", default="train", choices=["train", "heldout"], help="--relation-probe: which spatial prompts")
     opts, rest = p.parse_known_args(argv)
-    if (opts.context_probe is None) == (opts.noise_probe is None):
-        p.error("give one of --context-probe BASE and --noise-probe BASE")
+    if sum(x is not None for x in (opts.context_probe, opts.noise_probe, opts.relation_probe)) != 1:
+        p.error("give one of --context-probe BASE, --noise-probe BASE and --relation-probe BASE")
     args = flags.parse_args(rest)
     if args.threads:
         torch.set_num_threads(args.threads)
     say = lambda s: print(s, flush=True)  # noqa: E731
     if opts.noise_probe:
         return run_noise_probe(opts.noise_probe, args, say)
+    if opts.relation_probe:
+        return run_relation_probe(opts.relation_probe, args, opts.split, opts.cell or 8, say)
     return run_context_probe(opts.context_probe, args, opts.cell, say)
 
 

@@ -48,9 +48,6 @@ from infra.figures import save_grid
 from infra.prompts import Prompts
 from models import loading, vae
 
-CHANCE = 2 / 12  # a given relation holds for 2 of the 12 ordered placements of two objects in distinct cells of 2 × 2
-
-
 def spatial_prompts(split):
     """Every spatial prompt of a split ("train": 312, "heldout": 216), as shapes metas, in a fixed order."""
     return [m for m in shapes.all_prompts(split) if m["category"] == "spatial"]
@@ -98,14 +95,16 @@ def cell_layout(found, cell=8):
 
 
 @torch.no_grad()
-def continue_rollout(model, cond, tokens, unknown, orders, start, num_iter, temperature, generator, keep=None):
+def continue_rollout(model, cond, tokens, unknown, orders, start, num_iter, temperature, generator, keep=None,
+                     counts=None):
     """The AR loop of MAR (CFG 1, as the demo samples) from AR step `start`, canvas `tokens` (B, L, C)
-    with `unknown` (B, L) bool positions still to write, generation `orders` (B, L). keep: a list that
-    receives (tokens, unknown) at the start of every step from `start` on. Returns the final tokens."""
-    L = model.seq_len
-    counts = model.ar_schedule(num_iter, L)
-    num_unknown = L - sum(counts[:start])
-    for i in range(start, num_iter):
+    with `unknown` (B, L) bool positions still to write, generation `orders` (B, L): step i writes the
+    last counts[i] of the orders' first (still unknown) entries. keep: a list that receives (tokens,
+    unknown) at the start of every step from `start` on; counts: tokens per step (default
+    `model.ar_schedule(num_iter, L)`, a whole canvas). Returns the final tokens."""
+    counts = model.ar_schedule(num_iter, model.seq_len) if counts is None else counts
+    num_unknown = int(unknown[0].sum())
+    for i in range(start, len(counts)):
         if keep is not None:
             keep.append((tokens, unknown))
         z = model.predict_z(tokens, unknown.float(), cond).float()  # (B, L, D)
@@ -242,7 +241,7 @@ def probe(model, args, out, G=6, seed=0):
             f"{r['groups_any_relation']:.3f}, whose reward varies {r['groups_reward_varies']:.3f}; within-group "
             f"variance: reward {r['reward_var_within']:.4f}, relation {r['relation_var_within']:.4f}")
         out(f"  relation | both objects drawn: {r['relation_given_both']}/{r['both']} = {r['relation_rate_given_both']:.3f} "
-            f"± {sem(r['relation_rate_given_both'], r['both']):.3f} (chance {CHANCE:.3f}); best-of-N: "
+            f"± {sem(r['relation_rate_given_both'], r['both']):.3f} (chance {verifier.relation_chance(spatial_prompts(split)):.3f}); best-of-N: "
             + ", ".join(f"N={k} {v:.3f}" for k, v in r["pass_at"].items()))
     metas = spatial_prompts("train")[::3]  # 104 training-split spatial prompts, one image each
     d = decision_probe(model, metas, N, T, seed + 1, branches=4, starts=(0, 1, 2, 3, 4, 5, 6, 8, 12))
@@ -281,13 +280,18 @@ def run_summary(run, block=20):
 
 
 def plot_runs(runs, path, w=10):
-    """Training reward and gradient norm (trailing means over w steps) of runs, one line each; runs
-    whose folder names differ only in a trailing `_seedN` share a colour and a mean ± std band."""
+    """Training reward and gradient norm (trailing means over w steps) of run folders; runs whose
+    folder names differ only in a trailing `_seedN` share a colour and a mean ± std band (`plot_groups`)."""
     groups = {}
     for run in runs:
         rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-        name = os.path.basename(run.rstrip("/"))
-        groups.setdefault(name.rsplit("_seed", 1)[0], []).append(rows)
+        groups.setdefault(os.path.basename(run.rstrip("/")).rsplit("_seed", 1)[0], []).append(rows)
+    plot_groups(groups, path, w)
+
+
+def plot_groups(groups, path, w=10):
+    """Training reward and gradient norm (trailing means over w steps) of {name: [metrics rows of a
+    run, ...]}: one line per name, the mean over its runs, with a ± std band."""
     fig = Figure(figsize=(10, 3.6))
     axes = fig.subplots(1, 2)
     for name, members in groups.items():

@@ -162,25 +162,31 @@ def study(opts, extra):
                     cmds += evals(os.path.join(out, "ckpt", f"step_{k:06d}.pt"), out, k)
                 if cmds:
                     jobs.append((name, arm, seed, shell(cmds)))
-    running, failed = [], []  # (process, its log, what it runs)
+    run_jobs([(f"{name}: {arm} seed {seed}", os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt"), cmd)
+              for name, arm, seed, cmd in jobs], "study")
+    return {name: study_report(opts, name) for name in opts.study}
+
+
+def run_jobs(jobs, who, parallel=2):
+    """Run shell commands `parallel` at a time, one thread each: jobs are (what it runs, log path,
+    command). Raises processes.Stop naming the first failure and its one-line reason, once all ended."""
+    jobs, running, failed = list(jobs), [], []  # running: (process, log, what it runs)
     while jobs or running:
-        while jobs and len(running) < 2:
-            name, arm, seed, cmd = jobs.pop(0)
-            print(f"study {name}: {arm} seed {seed}", flush=True)
-            path = os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt")
+        while jobs and len(running) < parallel:
+            what, path, cmd = jobs.pop(0)
+            print(f"{who}: {what}", flush=True)
             with open(path, "w") as log:
                 running.append((subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                                 env=dict(os.environ, OMP_NUM_THREADS="1")), path, f"{name}: {arm} seed {seed}"))
+                                                 env=dict(os.environ, OMP_NUM_THREADS="1")), path, what))
         time.sleep(2)
         for job in [job for job in running if job[0].poll() is not None]:
             if job[0].returncode:
                 failed.append(job)
-                print(f"study: {job[2]} failed: {_reason(open(job[1]).read())}", flush=True)
+                print(f"{who}: {job[2]} failed: {_reason(open(job[1]).read())}", flush=True)
             running.remove(job)
     if failed:
-        raise processes.Stop(f"study: {len(failed)} run(s) failed, the first ({failed[0][2]}): "
+        raise processes.Stop(f"{who}: {len(failed)} run(s) failed, the first ({failed[0][2]}): "
                              f"{_reason(open(failed[0][1]).read())} (log: {failed[0][1]})")
-    return {name: study_report(opts, name) for name in opts.study}
 
 
 def _reason(output):

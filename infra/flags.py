@@ -73,7 +73,7 @@ PRESETS = {
 
 # Options of train.py that only the lab sets: experiments/ registers their flags (`EXTENSIONS`); a run
 # without them takes these values.
-LAB_OPTIONS = {"train_ar_below": 0}
+LAB_OPTIONS = {"train_ar_below": 0, "loss": "grpo"}
 EXTENSIONS = []  # functions add(parser) that register more flags on train.py's parser (experiments/)
 
 

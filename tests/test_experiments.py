@@ -12,9 +12,12 @@ import diffloss
 import grpo
 import rewards
 from demo import shapes, verifier
-from experiments import harmon_lora_step, probes, spatial, study
+from demo.pretrain import MAELoss
+from experiments import harmon_lora_step, probes, raft, spatial, study
 from models import harmon, loading, vae
 from tests import test_harmon
+from tests.helpers import make_rollout, tiny_mar
+from train import MicroBatch
 
 torch.set_num_threads(1)
 
@@ -88,6 +91,7 @@ def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path
     out = tmp_path / "study"
     argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
     summary = study.main(argv)["hack"]
+    assert "study: hack: mar-grpo seed 0" in capsys.readouterr().out
     assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
     for stats in summary.values():
         assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
@@ -97,9 +101,8 @@ def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path
     assert rows[0]["reward_mean"] == pytest.approx(rows[0]["reward/shapes_coverage"])  # trained on the proxy
     for name in ("hack.md", "hack.png", "hack_samples.png", "base/eval_train_0/summary.json"):
         assert (out / name).exists(), name
-    capsys.readouterr()
     again = study.main(argv)["hack"]  # a second run: everything is done already
-    assert "study hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
+    assert "study: hack:" not in capsys.readouterr().out and again == summary  # all finished: nothing ran again
     with pytest.raises(ValueError, match="--study"):
         study.main(["--study", "nope"])
 
@@ -214,3 +217,90 @@ def test_spatial_report_reads_blocks_verifier_gradient_kl_and_evaluation(tmp_pat
     assert r["grad_norm_mean"] == 2.0 and r["grad_norm_cv"] == pytest.approx(0.5)   # std 1 over mean 2
     assert r["kl_last"] == pytest.approx(0.1 * np.mean(range(2, 12))) and r["step_s"] == 4.0
     assert r["accuracy"] == dict(tuned=0.25, tuned_train=0.5)
+
+
+def _fake_completion(place):
+    """A stand-in for probes.complete on a model whose `condition` returns the prompt ids: it draws
+    the prompt's reference object in the cell place(relation, subject cell) picks (None: nothing)."""
+    def complete(model, cond, tokens, unknown, num_iter, temperature, generator):
+        codec, cell = vae.PixelCodec(), model.img_size // 2
+        tokens = tokens.masked_fill(unknown[..., None], -1.0)  # the unknown tokens black (pixel codec: [-1, 1])
+        images = (codec.decode(model.unpatchify(tokens)).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        for b, prompt in enumerate(shapes.detokenize(cond.numpy())):
+            meta = shapes.parse_prompt(prompt)
+            known = (~unknown[b]).reshape(model.img_size // model.patch_size, -1).nonzero()[0] * model.patch_size
+            target = place(meta["relation"], (int(known[0]) // cell, int(known[1]) // cell), generator)
+            if target is not None:
+                ref = meta["objects"][1]
+                y, x = target[0] * cell, target[1] * cell
+                images[b, y:y + cell - 1, x:x + cell - 1][shapes._patch(ref["shape"], cell - 1)] = shapes.COLORS[ref["color"]]
+        return model.patchify(codec.encode(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255))
+    return complete
+
+
+def test_relation_probe_scores_a_model_that_follows_the_word_and_one_that_ignores_it(smoke_base, monkeypatch, capsys):
+    """probes.relation_probe's bookkeeping with the completion replaced: a model that puts the
+    reference where the word says scores 1 under the prompt and 0 under the opposite and the other
+    axis' word (a cell off the grid becomes the diagonal one); one that picks a free cell at random
+    scores about 1/3 under all three; completions that draw nothing are not counted."""
+    model = loading.load_checkpoint(smoke_base)  # 32 px: a 2 × 2 grid of 16-px cells
+    monkeypatch.setattr(type(model), "condition", lambda self, prompt_ids: prompt_ids)
+    metas = spatial.spatial_prompts("train")[::4]  # 78 prompts
+
+    def follows(relation, subject, generator):  # "A left of B": B one column right of A, and so on
+        d_row, d_col = {"left of": (0, 1), "right of": (0, -1), "above": (1, 0), "below": (-1, 0)}[relation]
+        row, col = subject[0] + d_row, subject[1] + d_col
+        return (row, col) if 0 <= row < 2 and 0 <= col < 2 else (1 - subject[0], 1 - subject[1])
+
+    monkeypatch.setattr(probes, "complete", _fake_completion(follows))
+    res = probes.relation_probe(model, metas, cell=16)
+    assert {k: (v["rate"], v["n"], v["drawn"]) for k, v in res.items()} == {
+        "asked": (1.0, 78, 1.0), "opposite": (0.0, 78, 1.0), "other_axis": (0.0, 78, 1.0)}
+
+    def ignores(relation, subject, generator):
+        free = [c for c in [(0, 0), (0, 1), (1, 0), (1, 1)] if c != subject]
+        return free[int(torch.randint(3, (), generator=generator))]
+
+    monkeypatch.setattr(probes, "complete", _fake_completion(ignores))
+    res = probes.relation_probe(model, metas, cell=16, batch=1)
+    for v in res.values():
+        assert v["n"] == 78 and abs(v["rate"] - 1 / 3) < 3 * np.sqrt(2 / 9 / 78)
+
+    res = probes.main(["--preset", "smoke", "--relation-probe", str(smoke_base), "--cell", "16", "--split", "heldout"])
+    assert res["asked"]["n"] == len(spatial.spatial_prompts("heldout"))  # the command: every held-out prompt
+    assert "relation probe of" in capsys.readouterr().out
+
+    half = lambda relation, subject, generator: follows(relation, subject, generator) if relation in ("left of", "above") else None  # noqa: E731
+    monkeypatch.setattr(probes, "complete", _fake_completion(half))
+    res = probes.relation_probe(model, metas, cell=16)
+    assert res["asked"]["rate"] == 1.0 and 0 < res["asked"]["drawn"] < 1
+    assert res["asked"]["n"] == sum(m["relation"] in ("left of", "above") for m in metas)
+
+
+def test_raft_trains_on_each_varying_groups_best_rollout_and_reports_grpos_statistics():
+    """experiments/raft.py: group_best picks the first best of each group whose reward varies; the
+    RAFT loss of a batch is MAR's MAE loss on exactly those rollouts under their own conditions, with
+    GRPO's statistics of the same step beside it; with no varying group the loss is a zero with a graph."""
+    scores = torch.tensor([0.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.2, 0.0, 0.7])
+    assert raft.group_best(scores, 3).tolist() == [1, 8]
+    model = tiny_mar()
+    record, inputs = make_rollout(model)  # 2 prompts × G = 2
+    settings = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
+    batch = MicroBatch(inputs, record, None, None, torch.tensor([0.1, 0.9, 0.3, 0.3]), torch.tensor([-1.0, 1.0, 0.0, 0.0]),
+                       {}, None, None, [None] * len(record.steps), {})
+    loss_module = raft.RAFTLoss(model, group_size=2)
+    torch.manual_seed(3)
+    loss, stats, _ = loss_module(model, batch, 0, settings, None)
+    torch.manual_seed(3)
+    expected = MAELoss(model)(model.unpatchify(record.tokens[[1]]), labels=inputs["labels"][[1]])
+    assert torch.equal(loss, expected) and stats["raft_images"] == 1 and stats["raft_loss"] == loss.detach()
+    _, grpo_stats, _ = grpo.ar_step_loss(model, model, record, 0, inputs, batch.adv, settings)
+    assert set(grpo_stats) <= set(stats) and all(torch.equal(grpo_stats[k], stats[k]) for k in grpo_stats)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    model.zero_grad()
+    batch.scores = torch.tensor([0.3, 0.3, 0.5, 0.5])  # every group ties: nothing to learn from
+    loss, stats, _ = loss_module(model, batch, 0, settings, None)
+    loss.backward()
+    assert loss.item() == 0 and stats["raft_images"] == 0
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
