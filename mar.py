@@ -79,6 +79,7 @@ class MaskedAR:
         predict_z(tokens, mask, cond) -> z       tokens (B, L, C), mask (B, L) float 1 = unknown, z (B, L, D)
         diffloss                                 the head: p_mean_variance, sample, trainable_steps()
         sample_orders(bsz, generator), seq_len, token_embed_dim, patchify, unpatchify
+        grad_checkpointing                       settable: the transformer's blocks recomputed in the backward pass
     """
 
     def ar_schedule(self, num_iter, seq_len):
@@ -333,8 +334,7 @@ class MAR(MaskedAR, nn.Module):
         return x + self.diffusion_pos_embed_learned
 
     def run_blocks(self, blocks, x):
-        """x through transformer blocks; with grad_checkpointing each block's activations are
-        recomputed in the backward pass instead of kept (only when gradients are on)."""
+        """x (B, N, D) through `blocks`; with grad_checkpointing and gradients on, each is recomputed in the backward."""
         for block in blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
         return x

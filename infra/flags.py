@@ -165,6 +165,10 @@ def grpo_flags(p):
                                                 "without them (infra/lora.py)")
     a("--fsdp", action="store_true", help="shard the trained parameters, their gradients and AdamW state over the "
                                           "torchrun processes (FSDP2, infra/fsdp.py)")
+    a("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+      help="recompute each block of the transformer in the backward pass instead of keeping its activations: MAR's "
+           "encoder and decoder, Harmon's MAR blocks and Qwen2 layers, NOVA's blocks (docs/memory.md); the same "
+           "gradients, one more forward pass of the blocks")
 
 
 def reward_and_eval_flags(p):

@@ -18,7 +18,10 @@ What is sharded, and why:
 4. FSDP reduce-scatters the gradients after each trained AR step's backward (the mean over the
    processes, as DDP's all-reduce), so no process ever holds a whole gradient; train.py calls
    `policy.backward_rollout` with ddp=False (there is no DDP wrapper to hold the sync back).
-5. Checkpoints hold whole tensors, as without --fsdp: `whole_state` gathers them (every rank
+5. With --grad-checkpointing, a unit's block is recomputed in the backward pass after FSDP's
+   pre-backward hook has gathered it (FSDP2 composes with non-reentrant activation checkpointing;
+   tests/test_checkpointing.py checks a sharded checkpointed update of Harmon against a plain one).
+6. Checkpoints hold whole tensors, as without --fsdp: `whole_state` gathers them (every rank
    calls it, rank 0 keeps them, one tensor at a time), `load_state` shards them again, so a run
    resumes with or without --fsdp.
 Not sharded: a trained head (--train-head yes; its calls run outside the registered methods)

@@ -43,7 +43,6 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from infra import checkpoints
@@ -199,6 +198,31 @@ class Harmon(mar_lib.MaskedAR, nn.Module):
         return dict(input_ids=ids, attention_mask=mask)
 
     # -------------------------------------------------------------------------
+    # activation checkpointing (train.py --grad-checkpointing)
+
+    @property
+    def grad_checkpointing(self):
+        """Whether a pass with gradients keeps only each block's input and recomputes the block in the
+        backward pass: the MAR's encoder and decoder blocks (mar.MAR.run_blocks) and the LLM's Qwen2
+        layers (frozen, but between the trained blocks, so their activations are held for the backward)."""
+        return self.mar.grad_checkpointing
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, on):
+        if on and self.llm.config.attention_dropout:
+            raise ValueError(f"--grad-checkpointing runs the LLM's layers in training mode, where its attention_dropout "
+                             f"{self.llm.config.attention_dropout} drops what the rollout kept (Harmon's is 0)")
+        self.mar.grad_checkpointing = bool(on)
+        # transformers' own activation checkpointing of the decoder layers, non-reentrant (its newer name first)
+        if on and hasattr(self.llm, "activation_checkpointing_enable"):
+            self.llm.activation_checkpointing_enable({"use_reentrant": False})
+        elif on:
+            self.llm.gradient_checkpointing_enable({"use_reentrant": False})
+        else:
+            disable = getattr(self.llm, "activation_checkpointing_disable", None) or self.llm.gradient_checkpointing_disable
+            disable()
+
+    # -------------------------------------------------------------------------
     # z: MAR encoder -> LLM residual -> MAR decoder
 
     def grid_pos_embed(self, table, num_buffer, image_shape):
@@ -213,12 +237,6 @@ class Harmon(mar_lib.MaskedAR, nn.Module):
         image = F.interpolate(image, size=tuple(image_shape), mode="bilinear", align_corners=False)
         image = image.flatten(2).transpose(1, 2)  # (1, h·w, D)
         return torch.cat([table[:, :num_buffer], image], dim=1)
-
-    def _blocks(self, blocks, x):
-        for block in blocks:
-            use_ckpt = self.mar.grad_checkpointing and torch.is_grad_enabled()
-            x = checkpoint(block, x, use_reentrant=False) if use_ckpt else block(x)
-        return x
 
     def mar_encoder(self, tokens, mask, image_shape=None):
         """MAR encoder with `fake_latent` in every buffer slot.
@@ -235,7 +253,7 @@ class Harmon(mar_lib.MaskedAR, nn.Module):
         x = m.z_proj_ln(x)  # (B, buffer+L, D)
         known = torch.cat([mask.new_zeros(bsz, m.buffer_size), mask], dim=1) == 0  # (B, buffer+L)
         x = x[known].reshape(bsz, -1, dim)  # (B, buffer+#known, D)
-        return m.encoder_norm(self._blocks(m.encoder_blocks, x))
+        return m.encoder_norm(m.run_blocks(m.encoder_blocks, x))
 
     def llm_residual(self, x_enc_mar, cond):
         """x_enc = x_enc_mar + proj_out(LLM([prompt; proj_in(known tokens); proj_in(buffers)]) at the
@@ -251,8 +269,18 @@ class Harmon(mar_lib.MaskedAR, nn.Module):
         prompt_mask = cond["attention_mask"].bool()
         attn = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], n_img)], dim=1)  # (B, S+K+buffer)
         position_ids = (attn.long().cumsum(dim=1) - 1).clamp(min=0)
-        hidden = self.llm.model(inputs_embeds=torch.cat([prompt, z_enc.to(prompt.dtype)], dim=1),
-                                attention_mask=attn, position_ids=position_ids, use_cache=False).last_hidden_state
+        # transformers checkpoints a Qwen2 layer only in training mode; without attention dropout (the
+        # grad_checkpointing setter checks) it computes the same in both modes, so a checkpointed pass with
+        # gradients runs the LLM in training mode and puts it back
+        train_mode = self.grad_checkpointing and torch.is_grad_enabled() and not self.llm.training
+        if train_mode:
+            self.llm.train()
+        try:
+            hidden = self.llm.model(inputs_embeds=torch.cat([prompt, z_enc.to(prompt.dtype)], dim=1),
+                                    attention_mask=attn, position_ids=position_ids, use_cache=False).last_hidden_state
+        finally:
+            if train_mode:
+                self.llm.eval()
         z_llm = hidden[:, -n_img:]  # (B, K+buffer, H) the image positions
         z_llm = torch.cat([z_llm[:, n_img - buf:], z_llm[:, :n_img - buf]], dim=1)  # (B, buffer+K, H)
         return x_enc_mar + self.proj_out(z_llm).to(x_enc_mar.dtype)
@@ -268,7 +296,7 @@ class Harmon(mar_lib.MaskedAR, nn.Module):
         full = m.mask_token.repeat(bsz, known.shape[1], 1).to(x.dtype)  # (B, buffer+L, D)
         full[known] = x.reshape(-1, dim)  # the encoded known tokens back in place
         x = full + self.grid_pos_embed(m.decoder_pos_embed_learned, m.buffer_size, image_shape)
-        x = m.decoder_norm(self._blocks(m.decoder_blocks, x))[:, m.buffer_size:]  # (B, L, D)
+        x = m.decoder_norm(m.run_blocks(m.decoder_blocks, x))[:, m.buffer_size:]  # (B, L, D)
         return x + self.grid_pos_embed(m.diffusion_pos_embed_learned, 0, image_shape)
 
     def predict_z(self, tokens, mask, cond, image_shape=None):

@@ -113,14 +113,23 @@ def load_checkpoint(path, ema=True, model=None, flag="--init", ckpt=None, **over
 def load_policy(args, path, flag="--init"):
     """The policy in eval mode on the CPU from `path`: an official release, a base of ours, or a
     GRPO checkpoint of ours (its trained parameters over the base it names), with the run's number
-    of diffusion steps."""
+    of diffusion steps and, with --grad-checkpointing, its transformer's blocks recomputed in the
+    backward pass (the policy GRPO trains is a copy of it and keeps the setting; passes without
+    gradients, the rollout's and the reference's, are not changed by it)."""
+    model = read_policy(args, path, flag)
+    model.grad_checkpointing = getattr(args, "grad_checkpointing", False)  # a checkpoint's old flags may lack it
+    return model
+
+
+def read_policy(args, path, flag):
+    """`load_policy` without its checkpointing setting."""
     T = args.num_sampling_steps
     ours = _ours(path, flag)
     if ours is not None and "base" in ours:  # a GRPO checkpoint: the trained parameters (or LoRA adapters) only
         base = ours["base"]
         if not os.path.exists(base):
             raise FileNotFoundError(f"{flag} {path}: holds the trained parameters only, and its base {base} is missing")
-        model = load_policy(args, base, flag)
+        model = read_policy(args, base, flag)
         if ours.get("lora"):  # the base with the adapters on (infra/lora.py)
             model = lora.policy(model, ours["lora"])
         load_trained(model, ours["model"], path, flag)

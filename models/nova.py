@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from infra import checkpoints
 from mar import MaskedAR, random_orders
@@ -98,7 +99,9 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """NOVA's ViT (used as video and as image encoder), on already embedded tokens."""
+    """NOVA's ViT (used as video and as image encoder), on already embedded tokens. With
+    `grad_checkpointing`, a pass with gradients keeps each block's input only and recomputes the block
+    in the backward pass."""
 
     def __init__(self, depth, embed_dim, num_heads, patch_size, image_dim):
         super().__init__()
@@ -106,6 +109,13 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads) for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim)
         self.encoder_depth = depth // 2
+        self.grad_checkpointing = False
+
+    def run(self, blocks, h):
+        """h (B, N, D) through `blocks`, each checkpointed when grad_checkpointing and gradients are on."""
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(h)
+        return h
 
     def forward(self, x, c, known=None):
         """x: (B, L, D) embedded tokens; c: (B, Lc, D) prefix (text or condition);
@@ -116,12 +126,9 @@ class VisionTransformer(nn.Module):
             h = torch.cat([c, x], 1)  # (B, Lc+L, D)
         else:
             idx = known[..., None].expand(-1, -1, x.shape[-1])  # (B, K, D)
-            h = torch.cat([c, x.gather(1, idx)], 1)  # (B, Lc+K, D)
-            for block in self.blocks[:half]:
-                h = block(h)
+            h = self.run(self.blocks[:half], torch.cat([c, x.gather(1, idx)], 1))  # (B, Lc+K, D)
             h = torch.cat([h[:, :Lc], x.to(h.dtype).scatter(1, idx, h[:, Lc:])], 1)  # known tokens back in place
-        for block in self.blocks[half if known is not None else 0:]:
-            h = block(h)
+        h = self.run(self.blocks[half if known is not None else 0:], h)
         return self.norm(h[:, Lc:])
 
 
@@ -232,6 +239,16 @@ class NOVA(MaskedAR, nn.Module):
         It is a plain attribute, not a submodule: its net *is* image_decoder, whose parameters
         keep their official names (and are listed once) in the state dict."""
         object.__setattr__(self, "diffloss", make_head(self.image_decoder, scheduler, num_sampling_steps))
+
+    @property
+    def grad_checkpointing(self):
+        """Whether a pass with gradients recomputes each block of the video and image encoders in the
+        backward pass instead of keeping its activations (train.py --grad-checkpointing)."""
+        return self.image_encoder.grad_checkpointing
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, on):
+        self.video_encoder.grad_checkpointing = self.image_encoder.grad_checkpointing = bool(on)
 
     @property
     def seq_len(self):

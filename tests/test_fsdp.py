@@ -48,14 +48,16 @@ def test_what_fsdp_does_not_shard_is_one_line(smoke_base, more, words):
 LR, MAX_NORM = 1e-3, 1e-3  # the clip binds: the gradient norm over the shards enters the update
 
 
-def update(kind, parts, world=None):
+def update(kind, parts, world=None, checkpointing=False):
     """One GRPO update of `kind`'s tiny policy from one rollout of each batch slice in `parts` (2
     prompts × G = 2 in all), each slice's loss scaled by 1/len(parts), sharded over `world`
-    processes when given. Returns (the trained parameters, whole; pre-clip gradient norm; model)."""
+    processes when given, its blocks checkpointed when asked (--grad-checkpointing). Returns (the
+    trained parameters, whole; pre-clip gradient norm; model)."""
     base, inputs = tiny(kind)
     base.requires_grad_(False)
     gcfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
     model = loading.make_policy(SimpleNamespace(model=kind, cfg=3.0), base, gcfg)
+    model.grad_checkpointing = checkpointing
     if world:
         fsdp.shard(model, world, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
