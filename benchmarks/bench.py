@@ -4,14 +4,14 @@
     python -m benchmarks.bench --sections step,reward --preset smoke --repeats 1
     python -m benchmarks.bench --mar-base --threads 1   # mar_base: step and recording ratios (2 shared cores: ~35 min)
     python -m benchmarks.bench --sections head_memory --preset harmon   # a trained AR step's head activations
-    python -m benchmarks.bench --memory harmon          # bytes per GPU under DDP, FSDP and LoRA (memory.py)
+    python -m benchmarks.bench --memory harmon          # bytes per GPU: DDP, FSDP, LoRA × fp32, bf16 × checkpointed or not
 
 Sections: step (MAR-GRPO step / fixed-head GRPO step, recording / plain rollout, i.e. record_rollout
 with / without a plan, each step's parts, plain rollout images/s, record bytes), reward (the
 shapes verifier's images/s), flops (the update's transformer FLOP/s / a large matmul's), scaling
 (step time and record + MTE memory as S, G and tokens grow), mar_base (the official mar_base with
 random weights, measured at fewer AR and diffusion steps than train.py's mar_base preset and
-extrapolated to it by a cost model fitted to the same run), head_memory and memory (memory.py).
+extrapolated to it by a cost model fitted to the same run), head_memory (memory.py) and memory (memory_table.py).
 
 A step is timed stage by stage with train.py's calls (rollout.record_rollout, mte.sample_trajectories,
 masks, train.backward_batch with train.PolicyLoss): a plain rollout, the recorded rollout, decoding
@@ -42,7 +42,7 @@ import mte
 import rewards
 import rollout
 import train
-from benchmarks import memory
+from benchmarks import memory, memory_table
 from demo import shapes, verifier
 from infra import checkpoints, flags, processes
 from infra.prompts import Prompts
@@ -339,7 +339,7 @@ def bench_mar_base(args, opts, out):
 
 
 SECTIONS = dict(step=bench_step, reward=bench_reward, flops=bench_flops, scaling=bench_scaling,
-                mar_base=bench_mar_base, head_memory=memory.bench_head_memory, memory=memory.bench_memory)
+                mar_base=bench_mar_base, head_memory=memory.bench_head_memory, memory=memory_table.bench_memory)
 DEFAULT = ["step", "reward", "flops", "scaling"]
 
 
@@ -359,16 +359,18 @@ def main(argv=None):
     a("--base-repeats", type=flags.POS_INT, default=2, help="mar_base: timed repeats (2: the rollouts' order alternates)")
     a("--head-rows", type=flags.POS_INT, default=64, help="head_memory: unknown tokens measured (then scaled to the preset)")
     a("--memory", default=None, metavar="PRESET", help="the memory section for PRESET: what one GPU holds")
-    a("--memory-tokens", type=memory.squares, default=[64, 256], help="memory: image tokens measured (squares; then fitted)")
+    a("--memory-tokens", type=memory_table.squares, default=[64, 256], help="memory: image tokens measured (squares; then fitted)")
     a("--memory-images", type=flags.POS_INT, default=1, help="memory: images measured (then scaled to G)")
-    a("--memory-policies", default="full,lora", type=lambda s: s.split(","), help="memory: policies measured")
+    a("--memory-policies", default="full", type=lambda s: s.split(","),
+      help="memory: policies measured, full and/or lora (LoRA's rows take the full policy's activations if not measured)")
     a("--world", type=flags.POS_INT, default=8, help="memory: processes FSDP shards over")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
     if opts.memory:
         opts.preset, opts.sections = opts.memory, "memory"
     checks = [(opts.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-              (not set(opts.memory_policies) <= {"full", "lora"}, f"--memory-policies {opts.memory_policies}: full, lora"),
+              ("full" not in opts.memory_policies or not set(opts.memory_policies) <= {"full", "lora"},
+               f"--memory-policies {','.join(opts.memory_policies)}: full, or full,lora"),
               (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", opts.base_steps), f"--base-steps {opts.base_steps}: N,T,M > 0")]
     for bad, message in checks:
         if bad:

@@ -1,34 +1,28 @@
 """Memory of a GRPO step, measured: what a rollout record holds, the activations autograd saves,
 the diffusion head's share of a trained AR step (`python -m benchmarks.bench --sections head_memory
 --preset harmon`), with and without recomputing each diffusion step's head call in the backward
-pass (rollout.transition_mean), and what one GPU holds at a preset's released settings under DDP,
-FSDP and LoRA (`python -m benchmarks.bench --memory PRESET`, `bench_memory`; docs/memory.md).
+pass (rollout.transition_mean), and the peak activations of a preset's rollout and trained AR steps
+at a given size (`measure`), from which memory_table.py models what one GPU holds
+(`python -m benchmarks.bench --memory PRESET`; docs/memory.md).
 
-How `bench_memory` gets each figure (every figure of its table is marked c, m or ~):
-  c  counted: parameters (of the released architecture, built on the meta device) × 4 bytes (fp32
-     weights and gradients; AdamW keeps two fp32 moments, 8 bytes).
-  m  measured: the peak resident memory of this process (Linux VmHWM, reset before each stage; glibc
-     told to return every freed block over 64 KiB) above what it held before the stage, on the CPU in
-     fp32 with random weights, at the preset's sizes; the record and MTE's trajectories that the
-     rollout leaves for the update: the bytes of their tensors.
-  ~  modelled from measured figures: the activations measured at two image sizes (--memory-tokens)
-     and g images (--memory-images), fitted linearly in the tokens (the CPU attention saves no
-     tokens × tokens tensor) and scaled × G / g; or the same figure of another policy.
-Activations are measured over a rollout of two AR steps, both recorded: every token unknown at the
-first (the head's largest work), all but one known at the second (the transformer's longest input):
-the extremes of the preset's 64. Under bf16 autocast on a GPU the transformer's activations are
-about half the fp32 figures.
+`measure` runs as train.py does: the rollout and each trained AR step's forward under the run's
+autocast (fp32: none; bf16: torch.autocast to bfloat16, the CUDA path's policy; the weights stay
+fp32 and the head runs in fp32 under it), the backward outside it, with and without
+--grad-checkpointing. Its peaks: on the CPU the peak resident memory of this process (Linux
+VmHWM, reset before each stage; glibc told to return every freed block over 64 KiB) above what it
+held before the stage; on a GPU the peak of torch's allocator above what it held before. The
+rollout runs two AR steps, both recorded: every token unknown at the first (the head's largest
+work), all but one known at the second (the transformer's longest input): the extremes of a
+preset's 64.
 """
 
+import contextlib
 import ctypes
 import dataclasses
 import json
-import math
 import os
-import re
 import time
 
-import open_clip
 import torch
 
 import diffloss
@@ -130,7 +124,7 @@ def bench_head_memory(args, opts, out):
 
 
 # -----------------------------------------------------------------------------
-# What one GPU holds at a preset (`python -m benchmarks.bench --memory PRESET`)
+# A preset's step, measured at a given size
 
 # the released models' state-dict listings (recorded data the tests pin)
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures")
@@ -165,33 +159,6 @@ def build(args, side=None):
     raise ValueError(f"--memory: --model {args.model}: the table is for mar_*, harmon and nova presets")
 
 
-def counts(args, rank):
-    """Parameter counts of the preset's model, from shapes: all, trained (loading.trainable_names, the
-    method's), the head, LoRA adapters of rank R, FSDP's largest block unit and its root unit."""
-    with torch.device("meta"):
-        model = build(args)
-    own = dict(model.named_parameters())
-    trained = loading.trainable_names(args, model, flags.grpo_settings(args).train_head, args.cfg != 1.0)
-    blocks = [m for name, m in model.named_modules() if re.fullmatch(type(model).BLOCKS, name)]
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    return dict(all=sum(p.numel() for p in own.values()), trained=sum(own[n].numel() for n in trained),
-                head=sum(p.numel() for p in model.diffloss.parameters()), lora=lora.adapter_count(model, rank),
-                block=max(sum(p.numel() for p in b.parameters()) for b in blocks),
-                root=sum(own[n].numel() for n in trained if id(own[n]) not in in_blocks),
-                tokens=model.seq_len, name=type(model).__name__)
-
-
-def frozen_extras(args):
-    """Parameters of the frozen models beside the policy: the KL-16 VAE (its official key listing in
-    fixtures/) and the presets' reward, HPS v2.1 (open_clip ViT-H-14, built on the meta device).
-    NOVA's own VAE ships with its pipeline and is not counted (None)."""
-    with open(os.path.join(FIXTURES, "kl16_vae_state_dict.json")) as f:
-        vae = sum(math.prod(shape) for shape in json.load(f)["state_dict"].values())
-    with torch.device("meta"):
-        reward = sum(p.numel() for p in open_clip.model.CLIP(**open_clip.get_model_config("ViT-H-14")).parameters())
-    return dict(vae=None if args.model == "nova" else vae, reward=reward if "hpsv2" in args.reward else 0)
-
-
 def proc_status(key, pid="self"):
     """A figure of /proc/PID/status (Linux: VmRSS, VmHWM, ...), in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -214,7 +181,30 @@ class PeakRSS:
         return self
 
     def __exit__(self, *exc):
-        self.peak = proc_status("VmHWM") - self.start
+        self.peak = max(0, proc_status("VmHWM") - self.start)
+
+
+class PeakCUDA:
+    """`with PeakCUDA(device) as m:` m.peak: the peak of torch's CUDA allocator on `device` above what it
+    held at entry, in bytes (the device's queued work finished at entry and at exit)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+
+
+def peak_meter(device):
+    """PeakCUDA on a GPU, PeakRSS on the CPU."""
+    return PeakCUDA(device) if device.type == "cuda" else PeakRSS()
 
 
 def return_freed_memory():
@@ -238,109 +228,56 @@ def condition_inputs(args, model, G):
     return dict(prompt_embeds=torch.randn(G, 32, model.text_embed.proj.in_features, generator=g))
 
 
-def measure(args, side, G, kind, rank):
+# the dtypes a run computes in: fp32 (the CPU path) and bf16 autocast (the CUDA path, processes.Ctx.autocast)
+DTYPES = ("fp32", "bf16")
+VARIANTS = [(dtype, ckpt) for dtype in DTYPES for ckpt in (False, True)]  # × plain / --grad-checkpointing
+
+
+def autocast(dtype, device):
+    """The forward passes' autocast of a run in `dtype` on `device`: none for fp32, bfloat16 for bf16."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None):
     """Peak activations of the preset's step on a side × side grid with G images, policy `kind` ("full":
-    the method's trained set, "lora": adapters of rank R): dict(rollout: peak of the rollout and MTE,
-    held: the bytes of what they leave for the update (the record, MTE's trajectories and mask),
-    step: the larger peak of the two trained AR steps' forward and backward, record_step: bytes of
-    the first step's record), in bytes."""
+    the method's trained set, "lora": adapters of rank R), for each (dtype, checkpointed) of `VARIANTS`:
+    dict(rollout: peak of the rollout and MTE, held: the bytes of what they leave for the update (the
+    record, MTE's trajectories and mask), step: the larger peak of the two trained AR steps' forward and
+    backward, record_step: bytes of the first step's record (bytes), seconds: the two steps' forward and
+    backward). base: the preset's model on `device` at that size (default: built here, on the CPU, moved)."""
     torch.manual_seed(0)
-    base = build(args, side).eval().requires_grad_(False)
-    inputs = condition_inputs(args, base, G)
+    base = (build(args, side).to(device) if base is None else base).eval().requires_grad_(False)
+    inputs = {k: v.to(device) for k, v in condition_inputs(args, base, G).items()}
     settings = flags.grpo_settings(args)
     model = lora.policy(base, lora.spec(base, rank)) if kind == "lora" else loading.make_policy(args, base, settings)
     model.ar_schedule = lambda num_iter, seq_len: [seq_len - 1, 1]  # the two extremes (module docstring)
     for p in model.parameters():  # gradients are counted apart: the peaks below hold activations only
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     plan = rollout.RolloutPlan(ar_steps=[0, 1], diff_steps=list(model.diffloss.trainable_steps())[:args.train_diff_steps])
-    gen = torch.Generator().manual_seed(0)
-    with PeakRSS() as collect:
-        _, record = rollout.record_rollout(model, inputs, 2, args.cfg, args.cfg_schedule, args.temperature, plan, gen)
-        traj = uncertain = None
-        if settings.mte_trajectories >= 2:
-            traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                            args.temperature, settings.mte_trajectories, plan.diff_steps, gen)
-            uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), settings.top_k)
-    adv = torch.randn(G, generator=gen)  # any advantages: the memory does not depend on them
-    steps = []
-    for j in range(2):
-        with PeakRSS() as step:
-            loss, _, _ = grpo.ar_step_loss(model, base, record, j, inputs, adv, settings, traj, uncertain)
-            (loss / 2).backward()
-            del loss
-        steps.append(step.peak)
-    held = nbytes(dict(record=record, trajectories=traj, uncertain=uncertain))  # the tensors' bytes: exact, where RSS is noisy
-    return dict(rollout=collect.peak, held=held, step=max(steps), record_step=nbytes(record.steps[0]))
-
-
-def squares(text):
-    """An argparse type (bench.py --memory-tokens): comma-separated square numbers of tokens."""
-    values = [int(v) for v in text.split(",")]
-    if any(v < 1 or math.isqrt(v) ** 2 != v for v in values):
-        raise ValueError(f"{text}: not square numbers of tokens")
-    return values
-
-
-def at_preset(points, tokens, G):
-    """A measured figure at the preset's tokens and G, from {(tokens_i, g): value}: the value itself
-    when measured there, else the line through two token counts at g images, × G / g. (value, mark)."""
-    (t1, g), v1 = min(points.items())
-    (t2, _), v2 = max(points.items())
-    if (t2, g) == (tokens, G):
-        return v2, "m"
-    slope = (v2 - v1) / (t2 - t1) if t2 != t1 else 0.0
-    return (v1 + slope * (tokens - t1)) * G / g, "~"
-
-
-def bench_memory(args, opts, out):
-    """The table of `python -m benchmarks.bench --memory PRESET` (module docstring): per GPU, under DDP, FSDP over
-    --world ranks and LoRA of rank --lora (32 when not given)."""
-    rank, world, G = args.lora or 32, opts.world, args.group_size
-    n, extra = counts(args, rank), frozen_extras(args)
-    out(f"{n['name']} of --preset {opts.preset}: {n['all'] / 1e6:,.1f}M parameters, {n['trained'] / 1e6:,.1f}M trained "
-        f"({args.method}), head {n['head'] / 1e6:,.1f}M, LoRA of rank {rank} {n['lora'] / 1e6:,.2f}M; {n['tokens']} tokens, "
-        f"G = {G} images per GPU, K = {args.train_diff_steps}, S = {flags.grpo_settings(args).mte_trajectories}, "
-        f"T = {args.num_sampling_steps} (the figures do not depend on T)")
-    return_freed_memory()
-    sides = [int(math.isqrt(t)) for t in opts.memory_tokens]
-    measured = {}
-    for kind in opts.memory_policies:
-        for side in sides:
-            t0 = time.time()
-            measured[(kind, side * side)] = m = measure(args, side, opts.memory_images, kind, rank)
-            out(f"  measured, {kind} policy, {side * side} tokens, {opts.memory_images} images: " +
-                ", ".join(f"{k} {v / 2 ** 30:.3f} GiB" for k, v in m.items()) + f" ({time.time() - t0:.0f} s)")
-    fit = {kind: {key: at_preset({(t, opts.memory_images): m[key] for (k, t), m in measured.items() if k == kind},
-                                 n["tokens"], G) for key in ("rollout", "held", "step", "record_step")}
-           for kind in opts.memory_policies}
-    B = 4  # bytes per fp32 number
-    rows = {"DDP": dict(weights=n["all"], gradients=n["trained"], AdamW=2 * n["trained"], reference=n["trained"]),
-            f"FSDP over {world}": dict(weights=n["all"] - n["trained"] + n["trained"] / world, gradients=n["trained"] / world,
-                                       AdamW=2 * n["trained"] / world, reference=n["trained"]),
-            f"LoRA rank {rank}": dict(weights=n["all"] + n["lora"], gradients=n["lora"], AdamW=2 * n["lora"], reference=0)}
-    table = {}
-    for name, row in rows.items():
-        kind = "lora" if name.startswith("LoRA") else "full"
-        act = fit.get(kind) or {key: (v, "~") for key, (v, _) in next(iter(fit.values())).items()}  # the other policy's
-        cells = {k: (v * B, "c") for k, v in row.items()}
-        cells["VAE + reward"] = ((extra["vae"] or 0) + extra["reward"]) * B, "c"
-        # the record the update reads: the measured one (2 recorded AR steps) and, at most, one more step of
-        # every token unknown for each further trained AR step; MTE's trajectories are in it
-        more = (args.train_ar_steps - 2) * act["record_step"][0]
-        cells["record + MTE"] = act["held"][0] + more, "~" if more else act["held"][1]
-        cells["rollout peak"] = act["rollout"][0] - act["held"][0], act["rollout"][1]  # beyond the record it leaves
-        cells["AR step peak"] = act["step"]
-        if name.startswith("FSDP"):  # + the unit being computed and the next one, whole, and one unreduced gradient
-            cells["AR step peak"] = act["step"][0] + (3 * n["block"] + 2 * n["root"]) * B, "~"
-        static = sum(v for k, (v, _) in cells.items() if k not in ("rollout peak", "AR step peak"))
-        cells["total"] = static + max(cells["rollout peak"][0], cells["AR step peak"][0]), "~"
-        table[name] = cells
-    cols = list(next(iter(table.values())))
-    out("\n| bytes per GPU (GiB) | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|")
-    for name, cells in table.items():
-        out(f"| {name} | " + " | ".join(f"{v / 2 ** 30:.2f} {m}" for v, m in cells.values()) + " |")
-    held = [name for name, n in (("the KL-16 VAE", extra["vae"]), ("the reward, HPS v2.1", extra["reward"])) if n]
-    out("c counted, m measured, ~ modelled (memory.py); VAE + reward: " + (" and ".join(held) or "none")
-        + ("" if extra["vae"] else " (NOVA's own VAE, in its pipeline, is not counted)"))
-    return dict(counts=n, extra=extra, measured={f"{k} {t}": m for (k, t), m in measured.items()},
-                table={name: {k: [v, m] for k, (v, m) in cells.items()} for name, cells in table.items()})
+    out = {}
+    for dtype in DTYPES:
+        gen = torch.Generator(device).manual_seed(0)
+        with peak_meter(device) as collect:  # as train.collect: the rollout under the run's autocast, MTE in fp32
+            with autocast(dtype, device):
+                _, record = rollout.record_rollout(model, inputs, 2, args.cfg, args.cfg_schedule, args.temperature, plan, gen)
+            traj = uncertain = None
+            if settings.mte_trajectories >= 2:
+                traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
+                                                args.temperature, settings.mte_trajectories, plan.diff_steps, gen)
+                uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), settings.top_k)
+        adv = torch.randn(G, generator=gen, device=device)  # any advantages: the memory does not depend on them
+        held = nbytes(dict(record=record, trajectories=traj, uncertain=uncertain))  # exact, where RSS is noisy
+        for ckpt in (False, True):
+            model.grad_checkpointing = ckpt
+            steps, t0 = [], time.perf_counter()
+            for j in range(2):  # as train.backward_batch: the forward under autocast, the backward outside it
+                with peak_meter(device) as step:
+                    with autocast(dtype, device):
+                        loss, _, _ = grpo.ar_step_loss(model, base, record, j, inputs, adv, settings, traj, uncertain)
+                    (loss / 2).backward()
+                    del loss
+                steps.append(step.peak)
+            out[dtype, ckpt] = dict(rollout=collect.peak, held=held, step=max(steps), record_step=nbytes(record.steps[0]),
+                                    seconds=time.perf_counter() - t0)
+        del record, traj, uncertain
+    return out

@@ -106,14 +106,14 @@ def test_a_sharded_update_of_harmon_and_nova_is_the_unsharded_one(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# The memory table (`python -m benchmarks.bench --memory PRESET`, benchmarks/memory.py): its counted cells and its model
+# The memory table (`python -m benchmarks.bench --memory PRESET`, benchmarks/memory_table.py): its counted cells and its model
 
 def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
     import json
 
     from benchmarks import bench
     from infra import lora
-    from benchmarks import memory
+    from benchmarks import memory_table
     from tests import test_harmon
     (tmp_path / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
     res = bench.main(["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(tmp_path / "h.json"),
@@ -125,18 +125,26 @@ def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
     adapters = sum(p.numel() for p in lora.policy(model, lora.spec(model, 3)).parameters() if p.requires_grad)
     n, t = res["counts"], res["table"]
     assert (n["all"], n["trained"], n["lora"], n["tokens"]) == (everything, trained, adapters, 9)
-    cell = lambda row, col: t[row][col][0] / 4  # noqa: E731  (numbers of fp32 values)
-    assert [cell("DDP", c) for c in ("weights", "gradients", "AdamW", "reference")] == [everything, trained, 2 * trained, trained]
-    assert [cell("FSDP over 4", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
-        [everything - trained * 3 / 4, trained / 4, trained / 2, trained]
-    assert [cell("LoRA rank 3", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
-        [everything + adapters, adapters, 2 * adapters, 0]
-    assert cell("DDP", "VAE + reward") == 66_456_019  # the KL-16 VAE's official parameters; the JPEG reward has none
-    for row in t.values():  # G = 2 images, 9 tokens: measured at the preset; the record of 2 trained AR steps is whole
-        assert [row[c][1] for c in ("weights", "record + MTE", "rollout peak")] == ["c", "m", "m"]
+    variants = ["fp32", "fp32, checkpointed", "bf16", "bf16, checkpointed"]
+    assert list(t) == [f"{mode}, {v}" for mode in ("DDP", "FSDP over 4", "LoRA rank 3") for v in variants]
+    measured = {" ".join(k.split(" ")[:3]) for k in res["measured"]}  # "policy tokens images dtype[, checkpointed]"
+    assert measured == {"full 4 2", "full 9 2", "full 4 4"}  # two token counts, and twice the images at the smaller
+    for v in variants:
+        cell = lambda row, col: t[f"{row}, {v}"][col][0] / 4  # noqa: E731  (numbers of fp32 values, in either dtype)
+        assert [cell("DDP", c) for c in ("weights", "gradients", "AdamW", "reference")] == [everything, trained, 2 * trained, trained]
+        assert [cell("FSDP over 4", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
+            [everything - trained * 3 / 4, trained / 4, trained / 2, trained]
+        assert [cell("LoRA rank 3", c) for c in ("weights", "gradients", "AdamW", "reference")] == \
+            [everything + adapters, adapters, 2 * adapters, 0]
+        assert cell("DDP", "VAE + reward") == 66_456_019  # the KL-16 VAE's official parameters; the JPEG reward has none
+        assert t[f"DDP, {v}"]["AR step peak"][1] == "m" and t[f"FSDP over 4, {v}"]["AR step peak"][1] == "~"
+        assert t[f"LoRA rank 3, {v}"]["AR step peak"][1] == "~"  # the full policy's, LoRA's not measured
+    for name, row in t.items():  # G = 2 images, 9 tokens: measured at the preset; the record of 2 trained AR steps is whole
+        assert [row[c][1] for c in ("weights", "record + MTE", "rollout peak")] == ["c"] + ["~" if "LoRA" in name else "m"] * 2
         static = sum(v for c, (v, _) in row.items() if c not in ("rollout peak", "AR step peak", "total"))
         assert row["total"][0] == static + max(row["rollout peak"][0], row["AR step peak"][0])
-    assert t["DDP"]["AR step peak"][1] == "m" and t["FSDP over 4"]["AR step peak"][1] == "~"
-    # the model: a line through two token counts, scaled to the preset's images
-    assert memory.at_preset({(64, 1): 10.0, (256, 1): 40.0}, 1024, 4) == ((10 + 30 / 192 * 960) * 4, "~")
-    assert memory.at_preset({(64, 4): 10.0, (256, 4): 40.0}, 256, 4) == (40.0, "m")
+    assert set(res["time_ratio"]) == {"fp32", "bf16"}
+    # the model: a line through two token counts, scaled to the preset's images, less what does not grow with them
+    assert memory_table.at_preset({(64, 1): 10.0, (256, 1): 40.0}, 1024, 4) == ((10 + 30 / 192 * 960) * 4, "~")
+    assert memory_table.at_preset({(64, 1): 10.0, (256, 1): 40.0, (64, 2): 15.0}, 1024, 4) == (5 + 4 * (5 + 30 / 192 * 960), "~")
+    assert memory_table.at_preset({(64, 4): 10.0, (256, 4): 40.0}, 256, 4) == (40.0, "m")
