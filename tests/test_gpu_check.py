@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py, the first GPU's command, where there is none: it checks its flags (a bad one
+is one line naming it, exit status 2, nothing written), says in one line that there is no CUDA device and
+exits 0; and its smoke section runs on the CPU (`--device cpu`), writing the table as JSON."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from infra.processes import cli
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_without_cuda_it_checks_its_flags_and_says_so_in_one_line(no_cuda, tmp_path, capsys):
+    assert cli(gpu_check.main, ["--json", str(tmp_path / "table.json"), "--work", str(tmp_path / "work")]) == 0
+    out, err = capsys.readouterr()
+    assert out == "gpu_check: no CUDA device here; flags checked, nothing run\n" and err == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags, words", [(["--sections", "smoke,speed"], "--sections smoke,speed: choose from smoke, "),
+                                          (["--presets", "mar_huge"], "--presets mar_huge: choose from mar_base, harmon, nova"),
+                                          (["--memory-tokens", "60"], "--memory-tokens"),
+                                          (["--json", "/proc/table.json"], "--json /proc: cannot create files in /proc"),
+                                          (["--device", "tpu"], "--device: invalid choice: 'tpu'")])
+def test_a_bad_flag_is_one_line(no_cuda, flags, words, tmp_path, capsys):
+    assert cli(gpu_check.main, [*flags, "--work", str(tmp_path / "work")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_smoke_section_on_the_cpu(tmp_path, capsys):
+    rows = gpu_check.main(["--device", "cpu", "--sections", "smoke", "--work", str(tmp_path / "work"),
+                           "--json", str(tmp_path / "table.json"), "--threads", "1"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [r["check"] for r in table["rows"]] == [row[0] for row in rows] == [
+        name for m in ("small", "harmon", "nova")
+        for name in (f"smoke {m} plain", f"smoke {m} checkpointed", f"smoke {m}: checkpointed - plain, step 0")]
+    checks = {r["check"]: r for r in table["rows"]}
+    for model in ("small", "harmon", "nova"):
+        assert checks[f"smoke {model} plain"]["result"] == checks[f"smoke {model} checkpointed"]["result"] == "ok"
+        assert checks[f"smoke {model}: checkpointed - plain, step 0"]["figures"] == "Δ loss 0, Δ grad_norm 0, Δ logp_parity_err 0"
+    assert "| check | result | figures |" in capsys.readouterr().out
