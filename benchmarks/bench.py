@@ -363,6 +363,7 @@ def main(argv=None):
     a("--memory-images", type=flags.POS_INT, default=1, help="memory: images measured (then scaled to G)")
     a("--memory-policies", default="full", type=lambda s: s.split(","),
       help="memory: policies measured, full and/or lora (LoRA's rows take the full policy's activations if not measured)")
+    a("--memory-repeats", type=flags.POS_INT, default=3, help="memory: timed rounds of the plain and checkpointed step")
     a("--world", type=flags.POS_INT, default=8, help="memory: processes FSDP shards over")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)

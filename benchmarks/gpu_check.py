@@ -17,7 +17,8 @@ Sections (each gives rows of the table):
   memory      the allocator's peak of one trained AR step of each preset (benchmarks/memory.py's measure,
               one image at --memory-tokens tokens, fp32 and bf16, plain and checkpointed), beside the CPU
               figure `python -m benchmarks.bench --memory PRESET` measured at the same size
-              (benchmarks/memory_figures/PRESET.json), and the checkpointed / plain time.
+              (benchmarks/memory_figures/PRESET.json), and the checkpointed / plain time (medians of
+              3 interleaved rounds).
   throughput  mar_base (random weights) at its preset's sampling: plain rollout images/s at G = 4 and
               32 images, and the update's model FLOP utilisation (the FLOPs torch counts in one update
               of 12 AR × 10 diffusion steps, MTE S = 3, / its seconds / the GPU's bf16 peak: the data
@@ -54,6 +55,7 @@ from models import loading, nova_heads
 SECTIONS = ("smoke", "parity", "nccl", "memory", "throughput")
 PRESETS = ("mar_base", "harmon", "nova")
 FIGURES = pathlib.Path(__file__).resolve().parent / "memory_figures"
+ROLLOUT_IMAGES = (4, 32)  # the preset's G a GPU, and a batch that fills more of one
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s of the SXM data sheets
 
 
@@ -173,17 +175,21 @@ def released(opts, out):
     rows, GiB = [], 2 ** 30
     sides = sorted({8} | {int(t ** 0.5) for t in opts.memory_tokens})
     for preset in opts.presets:
-        args = preset_args(opts, preset)
+        args, base = preset_args(opts, preset), None
         for side in sides:
             t0 = time.time()
-            base = model_at(args, side, opts.torch_device)
+            if hasattr(base, "set_image_shape"):  # Harmon: another grid is the same weights (built once: 2.5B parameters)
+                base.set_image_shape((side, side))
+            else:
+                base = None
+                base = model_at(args, side, opts.torch_device)
             if side == 8 and "parity" in opts.sections:
                 err = parity(args, base, opts.torch_device)
                 rows.append((f"parity {preset}, 64 tokens", "ok" if err["bf16"] < train.PARITY_WARN else "FAIL",
                              f"max |Δℓ| bf16 {err['bf16']:.2g} nats, fp32 {err['fp32']:.2g} (warns above {train.PARITY_WARN})"))
                 out(rows[-1])
             if side * side in opts.memory_tokens and "memory" in opts.sections:
-                m = memory.measure(args, side, 1, "full", 32, opts.torch_device, base)
+                m = memory.measure(args, side, 1, "full", 32, opts.torch_device, base, repeats=3)
                 for variant, figures in m.items():
                     cpu = cpu_figure(preset, side * side, variant)
                     rows.append((f"memory {preset}, {side * side} tokens, 1 image, {memory_table.variant_name(*variant)}",
@@ -192,7 +198,6 @@ def released(opts, out):
                                  + (f"; checkpointed / plain time {figures['seconds'] / m[variant[0], False]['seconds']:.2f}×"
                                     if variant[1] else "")))
                     out(rows[-1])
-            del base
             out(f"  ({preset} at {side * side} tokens: {time.time() - t0:.0f} s)")
     return rows
 
@@ -230,7 +235,7 @@ def throughput(opts, out):
     setting_opts = argparse.Namespace(base_steps=f"{preset['num_iter']},{preset['num_sampling_steps']},{preset['train_ar_steps']}")
     st = bench.mar_base_setting(setting_opts, device)
     a = st.args
-    for B in (st.B, 32):
+    for B in ROLLOUT_IMAGES:
         inputs = {k: v[:1].expand(B, *v.shape[1:]) for k, v in st.inputs.items()}
 
         def plain_rollout():
@@ -258,7 +263,7 @@ def throughput(opts, out):
         update()
     seconds, n = timed(update, device), 8192
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    matmul = 2 * n ** 3 / timed(lambda: x @ x, device, 5)
+    matmul = 10 * 2 * n ** 3 / timed(lambda: [x @ x for _ in range(10)], device, 5)
     achieved = fc.get_total_flops() / seconds
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     sheet = next((v for k, v in PEAK_BF16.items() if k in gpu and "PCIe" not in gpu), None)

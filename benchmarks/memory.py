@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -238,13 +239,15 @@ def autocast(dtype, device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
 
-def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None):
+def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, repeats=0):
     """Peak activations of the preset's step on a side × side grid with G images, policy `kind` ("full":
     the method's trained set, "lora": adapters of rank R), for each (dtype, checkpointed) of `VARIANTS`:
     dict(rollout: peak of the rollout and MTE, held: the bytes of what they leave for the update (the
     record, MTE's trajectories and mask), step: the larger peak of the two trained AR steps' forward and
     backward, record_step: bytes of the first step's record (bytes), seconds: the two steps' forward and
-    backward). base: the preset's model on `device` at that size (default: built here, on the CPU, moved)."""
+    backward; with `repeats`, the median of that many further rounds, plain and checkpointed taking turns,
+    so that load from other work hits both alike). base: the preset's model on `device` at that size
+    (default: built here, on the CPU, moved)."""
     torch.manual_seed(0)
     base = (build(args, side).to(device) if base is None else base).eval().requires_grad_(False)
     inputs = {k: v.to(device) for k, v in condition_inputs(args, base, G).items()}
@@ -267,17 +270,28 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None):
                 uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), settings.top_k)
         adv = torch.randn(G, generator=gen, device=device)  # any advantages: the memory does not depend on them
         held = nbytes(dict(record=record, trajectories=traj, uncertain=uncertain))  # exact, where RSS is noisy
-        for ckpt in (False, True):
-            model.grad_checkpointing = ckpt
-            steps, t0 = [], time.perf_counter()
-            for j in range(2):  # as train.backward_batch: the forward under autocast, the backward outside it
+
+        def steps():  # as train.backward_batch: the forward under autocast, the backward outside it; peaks, seconds
+            peaks, t0 = [], time.perf_counter()
+            for j in range(2):
                 with peak_meter(device) as step:
                     with autocast(dtype, device):
                         loss, _, _ = grpo.ar_step_loss(model, base, record, j, inputs, adv, settings, traj, uncertain)
                     (loss / 2).backward()
                     del loss
-                steps.append(step.peak)
-            out[dtype, ckpt] = dict(rollout=collect.peak, held=held, step=max(steps), record_step=nbytes(record.steps[0]),
-                                    seconds=time.perf_counter() - t0)
-        del record, traj, uncertain
+                peaks.append(step.peak)
+            return max(peaks), time.perf_counter() - t0
+        for ckpt in (False, True):
+            model.grad_checkpointing = ckpt
+            peak, seconds = steps()
+            out[dtype, ckpt] = dict(rollout=collect.peak, held=held, step=peak, record_step=nbytes(record.steps[0]),
+                                    seconds=seconds)
+        times = {False: [], True: []}
+        for r in range(repeats):
+            for ckpt in (False, True)[::1 if r % 2 == 0 else -1]:  # the order alternates: drift cancels
+                model.grad_checkpointing = ckpt
+                times[ckpt].append(steps()[1])
+        for ckpt in (False, True) if repeats else ():
+            out[dtype, ckpt]["seconds"] = statistics.median(times[ckpt])
+        record = traj = uncertain = None  # freed before the next dtype's rollout
     return out

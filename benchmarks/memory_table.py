@@ -130,7 +130,8 @@ def bench_memory(args, opts, out):
     for kind in opts.memory_policies:
         for tokens, images in points:
             t0 = time.time()
-            measured[kind, tokens, images] = m = memory.measure(args, math.isqrt(tokens), images, kind, rank)
+            repeats = opts.memory_repeats if (kind, tokens, images) == ("full", max(opts.memory_tokens), g) else 0
+            measured[kind, tokens, images] = m = memory.measure(args, math.isqrt(tokens), images, kind, rank, repeats=repeats)
             for variant, figures in m.items():
                 out(f"  measured, {kind} policy, {tokens} tokens, {images} images, {variant_name(*variant)}: " +
                     ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in figures.items() if k != "seconds") +
@@ -161,7 +162,7 @@ def bench_memory(args, opts, out):
     largest = measured["full", max(opts.memory_tokens), g]
     ratio = {dtype: largest[dtype, True]["seconds"] / largest[dtype, False]["seconds"] for dtype in memory.DTYPES}
     out(f"time of the two trained AR steps' forward and backward, checkpointed / plain (full policy, "
-        f"{max(opts.memory_tokens)} tokens, {g} images, measured once each in this run): " +
+        f"{max(opts.memory_tokens)} tokens, {g} images, medians of {opts.memory_repeats} interleaved rounds in this run): " +
         ", ".join(f"{dtype} {r:.2f}×" for dtype, r in ratio.items()))
     return dict(counts=n, extra=extra, time_ratio=ratio,
                 measured={f"{k} {t} {i} {variant_name(*v)}": f for (k, t, i), m in measured.items() for v, f in m.items()},
