@@ -101,8 +101,11 @@ def test_concept_files_copy_into_an_empty_folder_and_run(name, tmp_path):
         (tmp_path / f).write_bytes((ROOT / f).read_bytes())
     modules = ", ".join(f[:-3] for f in files)
     code = f"import types, torch\nimport {modules}\n" + textwrap.dedent(body) + textwrap.dedent(f"""
-        import sys
-        mine = [m.__file__ for m in sys.modules.values() if (getattr(m, "__file__", None) or "").startswith({str(ROOT)!r})]
+        import os, sys
+        def ours(path):  # a repository file; a virtual environment inside the checkout (CI's .ci/venv) is not
+            path = os.path.realpath(path or "")
+            return path.startswith({str(ROOT.resolve()) + os.sep!r}) and not path.startswith(os.path.realpath(sys.prefix) + os.sep)
+        mine = [m.__file__ for m in list(sys.modules.values()) if ours(getattr(m, "__file__", None))]
         assert not mine, mine  # nothing was imported from the repository""")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"),
