@@ -364,6 +364,8 @@ def main(argv=None):
     a("--memory-policies", default="full", type=lambda s: s.split(","),
       help="memory: policies measured, full and/or lora (LoRA's rows take the full policy's activations if not measured)")
     a("--memory-repeats", type=flags.POS_INT, default=3, help="memory: timed rounds of the plain and checkpointed step")
+    a("--memory-dtypes", default=list(memory.DTYPES), type=lambda s: s.split(","),
+      help="memory: the dtypes measured, fp32 and/or bf16 (autocast, the CUDA path's)")
     a("--world", type=flags.POS_INT, default=8, help="memory: processes FSDP shards over")
     a("--json", default=None, help="also write the figures to this JSON file")
     opts, rest = p.parse_known_args(argv)
@@ -372,6 +374,9 @@ def main(argv=None):
     checks = [(opts.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
               ("full" not in opts.memory_policies or not set(opts.memory_policies) <= {"full", "lora"},
                f"--memory-policies {','.join(opts.memory_policies)}: full, or full,lora"),
+              (not opts.memory_dtypes or not set(opts.memory_dtypes) <= set(memory.DTYPES)
+               or len(set(opts.memory_dtypes)) < len(opts.memory_dtypes),
+               f"--memory-dtypes {','.join(opts.memory_dtypes)}: fp32, bf16 or fp32,bf16"),
               (not re.fullmatch(r"[1-9]\d*,[1-9]\d*,[1-9]\d*", opts.base_steps), f"--base-steps {opts.base_steps}: N,T,M > 0")]
     for bad, message in checks:
         if bad:

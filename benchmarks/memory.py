@@ -239,9 +239,9 @@ def autocast(dtype, device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
 
-def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, repeats=0):
+def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, repeats=0, dtypes=DTYPES):
     """Peak activations of the preset's step on a side × side grid with G images, policy `kind` ("full":
-    the method's trained set, "lora": adapters of rank R), for each (dtype, checkpointed) of `VARIANTS`:
+    the method's trained set, "lora": adapters of rank R), for each dtype of `dtypes` plain and checkpointed:
     dict(rollout: peak of the rollout and MTE, held: the bytes of what they leave for the update (the
     record, MTE's trajectories and mask), step: the larger peak of the two trained AR steps' forward and
     backward, record_step: bytes of the first step's record (bytes), seconds: the two steps' forward and
@@ -258,7 +258,7 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, re
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     plan = rollout.RolloutPlan(ar_steps=[0, 1], diff_steps=list(model.diffloss.trainable_steps())[:args.train_diff_steps])
     out = {}
-    for dtype in DTYPES:
+    for dtype in dtypes:
         gen = torch.Generator(device).manual_seed(0)
         with peak_meter(device) as collect:  # as train.collect: the rollout under the run's autocast, MTE in fp32
             with autocast(dtype, device):

@@ -116,8 +116,10 @@ def row_cells(args, n, extra, act, mode, world):
 
 def bench_memory(args, opts, out):
     """The table of `python -m benchmarks.bench --memory PRESET` (module docstring): per GPU, under DDP, FSDP over
-    --world ranks and LoRA of rank --lora (32 when not given), each in fp32 and bf16, plain and checkpointed."""
+    --world ranks and LoRA of rank --lora (32 when not given), each in the --memory-dtypes (fp32, bf16), plain and
+    checkpointed."""
     rank, world, G = args.lora or 32, opts.world, args.group_size
+    variants = [v for v in memory.VARIANTS if v[0] in opts.memory_dtypes]
     n, extra = counts(args, rank), frozen_extras(args)
     out(f"{n['name']} of --preset {opts.preset}: {n['all'] / 1e6:,.1f}M parameters, {n['trained'] / 1e6:,.1f}M trained "
         f"({args.method}), head {n['head'] / 1e6:,.1f}M, LoRA of rank {rank} {n['lora'] / 1e6:,.2f}M; {n['tokens']} tokens, "
@@ -131,7 +133,8 @@ def bench_memory(args, opts, out):
         for tokens, images in points:
             t0 = time.time()
             repeats = opts.memory_repeats if (kind, tokens, images) == ("full", max(opts.memory_tokens), g) else 0
-            measured[kind, tokens, images] = m = memory.measure(args, math.isqrt(tokens), images, kind, rank, repeats=repeats)
+            measured[kind, tokens, images] = m = memory.measure(args, math.isqrt(tokens), images, kind, rank, repeats=repeats,
+                                                                dtypes=opts.memory_dtypes)
             for variant, figures in m.items():
                 out(f"  measured, {kind} policy, {tokens} tokens, {images} images, {variant_name(*variant)}: " +
                     ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in figures.items() if k != "seconds") +
@@ -139,11 +142,11 @@ def bench_memory(args, opts, out):
             out(f"  ({time.time() - t0:.0f} s)")
     fit = {(kind, variant): {key: at_preset({(t, i): m[variant][key] for (k, t, i), m in measured.items() if k == kind},
                                             n["tokens"], G) for key in ("rollout", "held", "step", "record_step")}
-           for kind in opts.memory_policies for variant in memory.VARIANTS}
+           for kind in opts.memory_policies for variant in variants}
     table = {}
     for mode in ("DDP", "FSDP", "LoRA"):
         kind = "lora" if mode == "LoRA" else "full"
-        for variant in memory.VARIANTS:
+        for variant in variants:
             act = fit.get((kind, variant)) or {key: (v, "~") for key, (v, _) in fit["full", variant].items()}  # the full policy's
             label = {"DDP": "DDP", "FSDP": f"FSDP over {world}", "LoRA": f"LoRA rank {rank}"}[mode]
             table[f"{label}, {variant_name(*variant)}"] = row_cells(args, n, extra, act, mode, world)
@@ -155,12 +158,12 @@ def bench_memory(args, opts, out):
     out("c counted, m measured, ~ modelled (memory_table.py); VAE + reward: " + (" and ".join(held) or "none")
         + ("" if extra["vae"] else " (NOVA's own VAE, in its pipeline, is not counted)"))
     # the totals side by side, and the checkpointed step's time over the plain one's, measured in this run
-    heads = [variant_name(*v) for v in memory.VARIANTS]
+    heads = [variant_name(*v) for v in variants]
     out("\n| total GiB per GPU | " + " | ".join(heads) + " |\n" + "|---" * (len(heads) + 1) + "|")
     for label in dict.fromkeys(name.split(", ")[0] for name in table):
         out(f"| {label} | " + " | ".join(f"{table[f'{label}, {h}']['total'][0] / GiB:.1f} ~" for h in heads) + " |")
     largest = measured["full", max(opts.memory_tokens), g]
-    ratio = {dtype: largest[dtype, True]["seconds"] / largest[dtype, False]["seconds"] for dtype in memory.DTYPES}
+    ratio = {dtype: largest[dtype, True]["seconds"] / largest[dtype, False]["seconds"] for dtype in opts.memory_dtypes}
     out(f"time of the two trained AR steps' forward and backward, checkpointed / plain (full policy, "
         f"{max(opts.memory_tokens)} tokens, {g} images, medians of {opts.memory_repeats} interleaved rounds in this run): " +
         ", ".join(f"{dtype} {r:.2f}×" for dtype, r in ratio.items()))

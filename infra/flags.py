@@ -27,6 +27,9 @@ from scorers import remote
 # -----------------------------------------------------------------------------
 # Configuration: every flag with its default and meaning; a preset replaces some defaults; flags win.
 
+# The real models' presets recompute the transformer's blocks in the backward pass (--grad-checkpointing):
+# without it docs/memory.md puts NOVA at 28 GiB per GPU in bf16 (18 with it) and MAR-B at 9.3 (7.9); Harmon's fp32
+# trained AR step alone holds 62 GiB of activations
 PRESETS = {
     # python train.py: MAR-GRPO as released (MTE on the uncertain unknown tokens) from the shipped small
     # MAR of the shapes world (demo/base.pt: 16×16 images of 64 two-pixel tokens), 16 AR steps sampled
@@ -41,19 +44,19 @@ PRESETS = {
     # diffusion steps are MAR-B's own sampling settings, lr 2e-6 the NOVA run's
     "mar_base": dict(model="mar_base", img_size=256, num_iter=64, num_sampling_steps=100, cfg=3.0, temperature=1.0,
                      steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
-                     reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+                     reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0, grad_checkpointing=True),
     # the released Harmon-1.5B run (AMAP-ML/mar-grpo: scripts/debug_entry_harmon.py, trainer
     # grpo_trainer_harmon_v1_2.py): 512 px (the config's 32×32 grid), CFG 3 constant, S = 5; only the
     # MAR trains (models/loading.trainable_names); T = 25, as the run's name ("25diff") says
     "harmon": dict(model="harmon", model_config="harmon_1.5b", num_iter=64, num_sampling_steps=25, cfg=3.0,
                    cfg_schedule="constant", temperature=1.0, steps=1200, prompts_per_step=8, group_size=4, lr=1e-6,
                    train_ar_steps=12, train_diff_steps=10, mte_trajectories=5, reward="hpsv2", save_every=50,
-                   sample_every=50, eval_prompts=0),
+                   sample_every=50, eval_prompts=0, grad_checkpointing=True),
     # the released NOVA run (scripts/debug_entry_nova.py, grpo_trainer_nova_v1_2.py): d48w1024-sd512,
     # CFG 5 constant, 25 diffusion steps, S = 3; all but the diffusion MLP trains (models/loading.trainable_names)
     "nova": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
                  steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
-                 mte_trajectories=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0),
+                 mte_trajectories=3, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0, grad_checkpointing=True),
     # the released NOVA mix run (scripts/debug_entry_nova_mix.py, same trainer): the NOVA run's settings
     # (lr 2e-6 constant, β 0.01, 4 images per prompt, 12 of 64 AR steps, 10 of 25 diffusion steps, S = 3,
     # top 30 %, Δsim > 0, guidance 5 constant) with --reward_funcs "hps git gdino", summed unweighted
@@ -64,7 +67,7 @@ PRESETS = {
     "nova_mix": dict(model="nova", num_iter=64, num_sampling_steps=25, cfg=5.0, cfg_schedule="constant", temperature=1.0,
                      steps=1200, prompts_per_step=8, group_size=4, lr=2e-6, train_ar_steps=12, train_diff_steps=10,
                      mte_trajectories=3, reward="hpsv2,git_vqa,gdino", reward_norm="none", save_every=50, sample_every=50,
-                     eval_prompts=0),
+                     eval_prompts=0, grad_checkpointing=True),
     # the Harmon and NOVA pipelines at toy size, for tests on a tiny model built from a config
     "adapter_smoke": dict(num_iter=4, num_sampling_steps=6, cfg_schedule="constant", temperature=1.0, steps=2,
                           prompts_per_step=2, group_size=2, train_ar_steps=2, train_diff_steps=2, mte_trajectories=2,

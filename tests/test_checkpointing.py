@@ -18,7 +18,7 @@ import mte
 import rollout
 import train
 from benchmarks.memory import saved_activation_bytes
-from infra import lora
+from infra import flags, lora
 from models import loading
 from tests.helpers import grpo_flags, metrics
 from tests.test_distributed import _rank_env, free_port, tiny
@@ -127,3 +127,10 @@ def test_a_sharded_checkpointed_update_of_harmon_is_the_unsharded_plain_one(tmp_
     assert sharded["norm"] == pytest.approx(norm, rel=1e-5) and sharded["trained"].keys() == trained.keys()
     for k, v in trained.items():  # as test_fsdp's sharded update: the reduction's rounding moves elements by < lr/100
         torch.testing.assert_close(sharded["trained"][k], v, rtol=0, atol=LR / 100, msg=k)
+
+
+def test_the_real_models_presets_checkpoint_and_a_flag_turns_it_off():
+    on = {p for p in flags.PRESETS if flags.parse_args(["--preset", p]).grad_checkpointing}
+    assert on == {"mar_base", "harmon", "nova", "nova_mix"}  # docs/memory.md: what each needs to fit
+    assert not flags.parse_args(["--preset", "harmon", "--no-grad-checkpointing"]).grad_checkpointing
+    assert flags.parse_args(["--grad-checkpointing"]).grad_checkpointing

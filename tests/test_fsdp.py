@@ -148,3 +148,22 @@ def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
     assert memory_table.at_preset({(64, 1): 10.0, (256, 1): 40.0}, 1024, 4) == ((10 + 30 / 192 * 960) * 4, "~")
     assert memory_table.at_preset({(64, 1): 10.0, (256, 1): 40.0, (64, 2): 15.0}, 1024, 4) == (5 + 4 * (5 + 30 / 192 * 960), "~")
     assert memory_table.at_preset({(64, 4): 10.0, (256, 4): 40.0}, 256, 4) == (40.0, "m")
+
+
+def test_memory_table_measures_only_the_dtypes_asked_for(tmp_path):
+    """--memory-dtypes bf16: the bf16 rows, measured and modelled as in the full table, no fp32 row;
+    a dtype that is not fp32 or bf16, or one given twice, is a one-line error naming the flag."""
+    import json
+
+    from benchmarks import bench
+    from tests import test_harmon
+    (tmp_path / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
+    flags_ = ["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(tmp_path / "h.json"),
+              "--memory-tokens", "4,9", "--memory-repeats", "1"]
+    res = bench.main(flags_ + ["--memory-dtypes", "bf16"])["memory"]
+    assert list(res["table"]) == [f"{mode}, bf16{c}" for mode in ("DDP", "FSDP over 8", "LoRA rank 32")
+                                  for c in ("", ", checkpointed")]
+    assert set(res["time_ratio"]) == {"bf16"} and all("fp32" not in k for k in res["measured"])
+    for bad in ("fp16", "bf16,bf16", ""):
+        with pytest.raises(ValueError, match=r"^--memory-dtypes"):
+            bench.main(flags_ + ["--memory-dtypes", bad])
