@@ -11,6 +11,16 @@ imported (experiments/study.py and spatial.py import it), and the command that r
       python -m experiments.lab --pretrain --preset free16 --out runs/free_base2 \\
           --pretrain-from runs/free_base/base.pt --pretrain-lr 5e-4 --seed 1
       python -m infra.checkpoints half runs/free_base2/base.pt experiments/bases/free16.pt
+- the preset relation: the demo's settings from experiments/bases/relation.pt, a base of the cell
+  world that half-follows spatial relations (experiments/study.md, "Spatial relations"). Made from
+  demo/base.pt on spatial captions only, with MAE masking of at least 90% of the tokens (so that the
+  reference object is often hidden while the subject shows), first clean, then with each caption's
+  relation kept with probability 0.5 (a random layout otherwise); 7 minutes each on one CPU thread:
+      python -m experiments.lab --pretrain --preset relation --pretrain-from demo/base.pt --seed 11 \\
+          --threads 1 --out runs/relation_clean
+      python -m experiments.lab --pretrain --preset relation --pretrain-from runs/relation_clean/base.pt \\
+          --relation-p 0.5 --seed 13 --threads 1 --out runs/relation_half
+      python -m infra.checkpoints half runs/relation_half/base.pt experiments/bases/relation.pt
 - the rewards shapes_coverage (a deliberately hackable proxy) and shapes_relation (the relation,
   scored strictly);
 - the flag --train-ar-below N (not in the paper): the trained AR steps are drawn from the first N
@@ -31,8 +41,13 @@ from infra import flags, processes
 
 FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
 FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
-PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, num_iter=16, min_diff_step=2, lr=1e-5, cfg=6.0)}
-PRETRAIN_PRESETS = {"free16": dict(img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000)}
+RELATION_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "relation.pt")
+RELATION_BASE_SHA256 = "5457450d18789d284542b2fe5c9f8694fe4afe2bfdd8a8dd4a4e699bddcb5948"
+PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, num_iter=16, min_diff_step=2, lr=1e-5, cfg=6.0),
+           "relation": dict(flags.PRESETS["demo"], init=RELATION_BASE)}
+PRETRAIN_PRESETS = {"free16": dict(img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000),
+                    "relation": dict(pretrain.PRESETS["demo"], categories=["spatial"], unmentioned=0.0,
+                                     mask_ratio_min=0.9, pretrain_steps=1500, pretrain_lr=5e-4)}
 
 
 class ShapesCoverageReward(verifier.ShapesReward):

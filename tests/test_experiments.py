@@ -3,6 +3,7 @@ study's measurements, at toy size."""
 
 import json
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import grpo
 import rewards
 from demo import shapes, verifier
 from demo.pretrain import MAELoss
-from experiments import harmon_lora_step, probes, raft, spatial, study
+from experiments import harmon_lora_step, lab, probes, raft, relation_study, spatial, study
 from models import harmon, loading, vae
 from tests import test_harmon
 from tests.helpers import make_rollout, tiny_mar
@@ -304,3 +305,74 @@ def test_raft_trains_on_each_varying_groups_best_rollout_and_reports_grpos_stati
     loss.backward()
     assert loss.item() == 0 and stats["raft_images"] == 0
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
+
+
+def _relation_eval(folder, rates):
+    """eval_tau<τ>.json files as experiments.spatial --eval writes them: rates {τ: (train, held out)} of
+    relation | both, accuracy half of it, 100 images and 80 with both objects per split."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for t, (train_rate, held) in rates.items():
+        ev = {s: dict(relation_rate_given_both=r, both=80, accuracy=r / 2, images=100)
+              for s, r in (("train", train_rate), ("heldout", held))}
+        (folder / f"eval_tau{t}.json").write_text(json.dumps(ev))
+
+
+def test_relation_study_runs_every_arm_and_seed_then_skips_what_is_done(tmp_path, monkeypatch):
+    """Every arm × seed trains from the relation preset on the training split's spatial prompts with the
+    strict relation reward (RAFT with its loss and learning rate), then is evaluated at every τ; the
+    base is evaluated once; finished runs and evaluations are not run again; a bad flag stops it before
+    any run starts."""
+    jobs = []
+    monkeypatch.setattr(relation_study, "run_jobs", lambda js, who: jobs.extend(js))
+    opts = SimpleNamespace(out=str(tmp_path / "rel"), seeds=2, steps=3, arms="")
+    relation_study.run(opts, ["--group-size", "4"])
+    assert [what for what, _, _ in jobs] == ["base"] + [f"{a} seed {s}" for a in relation_study.ARMS for s in (0, 1)]
+    base_cmd = jobs[0][2]
+    assert base_cmd.count(" --eval ") == len(relation_study.TAUS) and lab.RELATION_BASE in base_cmd
+    for what, _, cmd in jobs[1:]:
+        assert "--preset relation" in cmd and "--reward shapes_relation" in cmd and "--group-size 4" in cmd
+        assert cmd.count(" --eval ") == len(relation_study.TAUS) and "train_spatial.txt" in cmd
+        assert ("--loss raft" in cmd and f"--lr {relation_study.RAFT_LR}" in cmd) == what.startswith("raft")
+    lines = (tmp_path / "rel" / "train_spatial.txt").read_text().splitlines()
+    assert lines == [m["prompt"] for m in spatial.spatial_prompts("train")]
+    done = tmp_path / "rel" / "raft" / "seed1"  # a finished run: its last checkpoint and one evaluation
+    (done / "ckpt").mkdir(parents=True)
+    (done / "ckpt" / "step_000003.pt").write_bytes(b"")
+    _relation_eval(done, {"1": (0.5, 0.5)})
+    _relation_eval(tmp_path / "rel" / "base", {t: (0.5, 0.5) for t in relation_study.TAUS})
+    jobs.clear()
+    relation_study.run(opts, [])
+    raft_rest = [cmd for what, _, cmd in jobs if what == "raft seed 1"][0]
+    assert "experiments.lab" not in raft_rest and raft_rest.count(" --eval ") == len(relation_study.TAUS) - 1
+    assert "base" not in [what for what, _, _ in jobs] and len(jobs) == 2 * len(relation_study.ARMS)
+    jobs.clear()
+    with pytest.raises(ValueError, match="^--group-size 0: "):
+        relation_study.run(opts, ["--group-size", "0"])
+    assert not jobs
+
+
+def test_relation_study_report_picks_tau_on_the_training_split_and_tests_the_target(tmp_path):
+    """The report: each run's best τ is the one with the highest training-split accuracy; the gain is
+    held-out relation | both at τ 1 over the base's; the target needs ≥ 85% held out and ≥ 20 points of
+    gain in every seed; the gradient norm's mean and std/mean and the last 10 steps' KL come from metrics."""
+    root = tmp_path / "rel"
+    _relation_eval(root / "base", {"1": (0.55, 0.60), "0.6": (0.60, 0.62)})
+    runs = {("grpo", 0): {"1": (0.90, 0.86), "0.6": (0.95, 0.90)},
+            ("grpo", 1): {"1": (0.92, 0.88), "0.6": (0.90, 0.85)},
+            ("raft", 0): {"1": (0.99, 0.95), "0.6": (0.95, 0.90)},
+            ("raft", 1): {"1": (0.80, 0.70), "0.6": (0.95, 0.90)}}
+    for (arm, seed), rates in runs.items():
+        _relation_eval(root / arm / f"seed{seed}", rates)
+        rows = [dict(step=i, grad_norm=float(1 + i % 2), kl=0.1 * i, reward_mean=0.5) for i in range(20)]
+        (root / arm / f"seed{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = relation_study.report(SimpleNamespace(out=str(root), seeds=2), ["grpo", "raft", "mar-grpo"])
+    grpo_runs = res["arms"]["grpo"]["runs"]
+    assert [r["best_tau"] for r in grpo_runs] == ["0.6", "1"]
+    assert grpo_runs[0]["gain"] == pytest.approx(0.26) and grpo_runs[1]["gain"] == pytest.approx(0.28)
+    assert grpo_runs[0]["grad_norm_mean"] == pytest.approx(1.5) and grpo_runs[0]["grad_norm_cv"] == pytest.approx(1 / 3)
+    assert grpo_runs[0]["kl_last"] == pytest.approx(0.1 * np.mean(range(10, 20)))
+    assert res["arms"]["grpo"]["target_met"] and not res["arms"]["raft"]["target_met"]  # raft's seed 1: 70% held out
+    assert "mar-grpo" not in res["arms"]  # no finished run
+    md = (root / "relation.md").read_text()
+    assert "| grpo | 0 | 0.6 | 95.0% ± 2.4% / 90.0% ± 3.4% |" in md and "raft: relation | both held out" in md
+    assert (root / "relation.png").exists()
