@@ -5,7 +5,7 @@ else is, and the relation holds), from the preset's base, then each run's last c
 base are evaluated on every spatial prompt of both splits at each τ of TAUS (`spatial.evaluate_spatial`,
 the same seeds for every model).
 
-    python -m experiments.relation_study [--out runs/relation] [--seeds 3] [--steps 100] [--arms a,b]
+    python -m experiments.relation_study [--out runs/relation] [--seeds 3] [--steps 60] [--arms a,b]
         [--report-only] [train.py flags for every run]
 
 Runs go two at a time with one thread each; finished runs and evaluations are skipped, an
@@ -166,7 +166,7 @@ def main(argv=None):
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/relation", help="the comparison's folder")
     p.add_argument("--seeds", type=flags.POS_INT, default=3, help="seeds per arm")
-    p.add_argument("--steps", type=flags.POS_INT, default=100, help="GRPO steps per run")
+    p.add_argument("--steps", type=flags.POS_INT, default=60, help="GRPO steps per run")
     p.add_argument("--arms", default="", help=f"only these arms (of {', '.join(ARMS)})")
     p.add_argument("--report-only", action="store_true", help="only aggregate the finished runs")
     opts, rest = p.parse_known_args(argv)
