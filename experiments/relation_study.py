@@ -79,10 +79,6 @@ def run(opts, extra):
     return report(opts, arms)
 
 
-def _sem(p, n):
-    return float(np.sqrt(p * (1 - p) / n)) if n else float("nan")
-
-
 def figures(folder):
     """One model's evaluations: {τ: {split: (relation | both, its n, accuracy, its n)}}, or None if not all done."""
     res = {}
@@ -105,8 +101,8 @@ def best_tau(fig):
 def describe(fig, t):
     """'relation | both train / held out, accuracy train / held out' at τ t, with binomial SEMs."""
     (rt, nt, at, it), (rh, nh, ah, ih) = fig[t]["train"], fig[t]["heldout"]
-    return (f"{rt:.1%} ± {_sem(rt, nt):.1%} / {rh:.1%} ± {_sem(rh, nh):.1%}",
-            f"{at:.1%} ± {_sem(at, it):.1%} / {ah:.1%} ± {_sem(ah, ih):.1%}")
+    return (f"{rt:.1%} ± {spatial.sem(rt, nt):.1%} / {rh:.1%} ± {spatial.sem(rh, nh):.1%}",
+            f"{at:.1%} ± {spatial.sem(at, it):.1%} / {ah:.1%} ± {spatial.sem(ah, ih):.1%}")
 
 
 def report(opts, arms=None):
