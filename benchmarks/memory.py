@@ -254,8 +254,9 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, re
     settings = flags.grpo_settings(args)
     model = lora.policy(base, lora.spec(base, rank)) if kind == "lora" else loading.make_policy(args, base, settings)
     model.ar_schedule = lambda num_iter, seq_len: [seq_len - 1, 1]  # the two extremes (module docstring)
-    for p in model.parameters():  # gradients are counted apart: the peaks below hold activations only
-        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    for p in model.parameters():  # gradients are counted apart: each is dropped once accumulated, so the
+        if p.requires_grad:       # peaks below hold activations (and one parameter's gradient at a time)
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     plan = rollout.RolloutPlan(ar_steps=[0, 1], diff_steps=list(model.diffloss.trainable_steps())[:args.train_diff_steps])
     out = {}
     for dtype in dtypes:
