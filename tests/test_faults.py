@@ -156,7 +156,8 @@ def run_script(*cmd, timeout=120):
     return res.returncode, res.stderr.strip().splitlines()
 
 
-@pytest.mark.parametrize("cmd,words", [
+# each case a script started with a bad flag; all start at once (importing torch is most of each one's time)
+BAD_SCRIPT_FLAGS = [
     (["-m", "models.nova_embed", "--init", "nope", "--text-encoder", "nope", "--prompts", "gone.txt", "--out", "x.pt"],
      ["--prompts", "gone.txt"]),
     (["-m", "models.nova_embed", "--prompts", "x.txt"], ["--init"]),
@@ -169,9 +170,24 @@ def run_script(*cmd, timeout=120):
     (["-m", "experiments.study"], ["--study"]),
     (["-m", "demo.pretrain", "--pretrain-steps", "-1"], ["--pretrain-steps", "-1"]),
     (["-m", "models.merge_lora"], ["usage: python -m models.merge_lora CKPT OUT"]),
-])
-def test_scripts_answer_bad_input_in_one_line(cmd, words, tmp_path):
-    code, lines = run_script(*cmd)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_answers():
+    """{case index: (exit status, stderr lines)} of every BAD_SCRIPT_FLAGS script, run side by side."""
+    procs = [subprocess.Popen([sys.executable, *map(str, cmd)], env=ENV, cwd=ROOT, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for cmd, _ in BAD_SCRIPT_FLAGS]
+    answers = {}
+    for i, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=300)
+        answers[i] = proc.returncode, err.strip().splitlines()
+    return answers
+
+
+@pytest.mark.parametrize("case", range(len(BAD_SCRIPT_FLAGS)), ids=[" ".join(cmd[1:3]) for cmd, _ in BAD_SCRIPT_FLAGS])
+def test_scripts_answer_bad_input_in_one_line(case, bad_input_answers):
+    (code, lines), words = bad_input_answers[case], BAD_SCRIPT_FLAGS[case][1]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert all(w in lines[0] for w in words), lines[0]
 
