@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import rewards
-
-imagereward = pytest.importorskip("imagereward")  # needs transformers
+from scorers import imagereward
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072     # ImageReward.__init__ in the official code
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)

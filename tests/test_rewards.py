@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import rewards
-from demo import verifier
+from demo import shapes, verifier
 from tests.test_clip_rewards import TINY, TINY_WIDE, save_weights, tiny_model
 
 
@@ -135,7 +135,6 @@ def test_weighted_sum_and_per_component_means():
 # ----------------------------------------------------------------------------- shapes
 
 def test_shapes_reward_equals_verifier():
-    shapes = pytest.importorskip("shapes")
     rng = np.random.default_rng(0)
     metas = shapes.sample_prompts(6, rng)
     pixels = np.stack([shapes.render(m, size=32, rng=rng) for m in metas])      # (B, H, W, 3) uint8
