@@ -17,13 +17,12 @@ split), with binomial standard errors, the gradient norm's mean and std/mean, an
 import argparse
 import json
 import os
-import shlex
 import sys
 
 import numpy as np
 
 from experiments import lab, spatial
-from experiments.study import _slug, run_jobs
+from experiments.study import run_jobs, shell_chain, slug
 from infra import checkpoints, flags, processes
 
 PRESET = "relation"  # lab.py: the half-following base experiments/bases/relation.pt, the demo's sampling
@@ -50,7 +49,7 @@ def evals(ckpt, out):
 def run(opts, extra):
     """Every arm × seed, then the evaluations; returns `report`."""
     root = opts.out
-    arms = {a: f for a, f in ARMS.items() if not opts.arms or _slug(a) in opts.arms.split(",")}
+    arms = {a: f for a, f in ARMS.items() if not opts.arms or slug(a) in opts.arms.split(",")}
     for arm_flags in arms.values():  # every run's flags parse before the first run starts
         flags.parse_args(["--preset", PRESET] + RUN + extra + arm_flags)
     checkpoints.check_writable(root, "--out")
@@ -58,15 +57,14 @@ def run(opts, extra):
     prompts = os.path.join(root, "train_spatial.txt")
     with open(prompts, "w") as f:
         f.writelines(m["prompt"] + "\n" for m in spatial.spatial_prompts("train"))
-    shell = lambda cmds: " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)  # noqa: E731
     jobs = []
     base_evals = evals(flags.PRESETS[PRESET]["init"], os.path.join(root, "base"))
     if base_evals:
         os.makedirs(os.path.join(root, "base"), exist_ok=True)
-        jobs.append(("base", os.path.join(root, "log_base.txt"), shell(base_evals)))
+        jobs.append(("base", os.path.join(root, "log_base.txt"), shell_chain(base_evals)))
     for arm, arm_flags in arms.items():
         for seed in range(opts.seeds):
-            out = os.path.join(root, _slug(arm), f"seed{seed}")
+            out = os.path.join(root, slug(arm), f"seed{seed}")
             cmds = []
             if not os.path.exists(os.path.join(out, "ckpt", f"step_{opts.steps:06d}.pt")):
                 cmds.append([sys.executable, "-m", lab.__name__, "--preset", PRESET, "--prompts", prompts, "--steps",
@@ -74,7 +72,7 @@ def run(opts, extra):
                             + RUN + extra + arm_flags)
             cmds += evals(os.path.join(out, "ckpt", f"step_{opts.steps:06d}.pt"), out)
             if cmds:
-                jobs.append((f"{arm} seed {seed}", os.path.join(root, f"log_{_slug(arm)}_{seed}.txt"), shell(cmds)))
+                jobs.append((f"{arm} seed {seed}", os.path.join(root, f"log_{slug(arm)}_{seed}.txt"), shell_chain(cmds)))
     run_jobs(jobs, "relation study")
     return report(opts, arms)
 
@@ -119,24 +117,24 @@ def report(opts, arms=None):
     curves = {}
     for arm in arms:
         for seed in range(opts.seeds):
-            out = os.path.join(root, _slug(arm), f"seed{seed}")
+            out = os.path.join(root, slug(arm), f"seed{seed}")
             fig = figures(out)
             if fig is None or not os.path.exists(os.path.join(out, "metrics.jsonl")):
                 continue
-            rows_ = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            grad = np.array([r["grad_norm"] for r in rows_])
+            metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            grad = np.array([r["grad_norm"] for r in metrics])
             rec = dict(fig=fig, best_tau=best_tau(fig), grad_norm_mean=float(grad.mean()),
-                       grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in rows_[-10:]])),
+                       grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in metrics[-10:]])),
                        gain=fig["1"]["heldout"][0] - base["1"]["heldout"][0] if base else None)
             res["arms"].setdefault(arm, []).append(rec)
-            curves.setdefault(arm, []).append(rows_)
+            curves.setdefault(arm, []).append(metrics)
             for t in ("1",) + ((rec["best_tau"],) if rec["best_tau"] != "1" else ()):
                 gain = f"{rec['gain']:+.1%}" if t == "1" and rec["gain"] is not None else ""
                 lines.append(f"| {arm} | {seed} | {t} | " + " | ".join(describe(fig, t)) + f" | {gain} | "
                              f"{rec['grad_norm_mean']:.3g}, {rec['grad_norm_cv']:.2f} | {rec['kl_last']:.2e} |")
+    base_best = max(base[t]["heldout"][0] for t in TAUS) if base else float("inf")  # the base at its best τ
     for arm, recs in res["arms"].items():
         held = [r["fig"]["1"]["heldout"][0] for r in recs]
-        base_best = max(base[t]["heldout"][0] for t in TAUS) if base else float("inf")  # the base at its best τ
         met = len(recs) == opts.seeds and all(h >= TARGET["heldout"] and h > base_best for h in held) and all(
             r["gain"] is not None and r["gain"] >= TARGET["gain"] for r in recs)
         res["arms"][arm] = dict(runs=recs, heldout_relation_mean=float(np.mean(held)),

@@ -75,7 +75,7 @@ TABLES = {
 }
 
 
-def _slug(arm):
+def slug(arm):
     """A folder name for an arm: 'mar-grpo, MTE on P_i' -> 'mar-grpo_MTE_on_P_i'."""
     return re.sub(r"[^A-Za-z0-9.=%-]+", "_", arm).strip("_")
 
@@ -94,9 +94,9 @@ def _table(opts, name):
     spec = dict(TABLES[name])
     spec["seeds"] = opts.study_seeds or spec["seeds"]
     spec["steps"] = opts.study_steps or spec["steps"]
-    if opts.study_arms:  # folder names (_slug) of the arms to keep
+    if opts.study_arms:  # folder names (slug) of the arms to keep
         keep = opts.study_arms.split(",")
-        spec["arms"] = {arm: arm_flags for arm, arm_flags in spec["arms"].items() if _slug(arm) in keep}
+        spec["arms"] = {arm: arm_flags for arm, arm_flags in spec["arms"].items() if slug(arm) in keep}
     if spec["lr"] == STUDY_LR and opts.study_lr:
         spec["lr"] = opts.study_lr
     spec["evals"] = tuple(k for k in spec["evals"] if k <= spec["steps"]) or (() if not spec["evals"] else (spec["steps"],))
@@ -104,7 +104,7 @@ def _table(opts, name):
 
 
 def _run_dir(root, table, arm, seed):
-    return os.path.join(root, table, _slug(arm), f"seed{seed}")
+    return os.path.join(root, table, slug(arm), f"seed{seed}")
 
 
 def study(opts, extra):
@@ -139,13 +139,10 @@ def study(opts, extra):
                             + extra + more)
         return cmds
 
-    def shell(cmds):
-        return " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)
-
     jobs = []  # (table, arm, seed, shell command)
     base_cmds = evals(base, os.path.join(root, "base"), 0)
     if base_cmds and any(_table(opts, name)["evals"] for name in opts.study):
-        jobs.append(("base", "base", 0, shell(base_cmds)))
+        jobs.append(("base", "base", 0, shell_chain(base_cmds)))
     for name in opts.study:
         spec = _table(opts, name)
         train_flags = ["--prompts", prompt_file, "--steps", str(spec["steps"])] + STUDY_RUN
@@ -161,10 +158,15 @@ def study(opts, extra):
                 for k in spec["evals"]:
                     cmds += evals(os.path.join(out, "ckpt", f"step_{k:06d}.pt"), out, k)
                 if cmds:
-                    jobs.append((name, arm, seed, shell(cmds)))
-    run_jobs([(f"{name}: {arm} seed {seed}", os.path.join(root, f"log_{name}_{_slug(arm)}_{seed}.txt"), cmd)
+                    jobs.append((name, arm, seed, shell_chain(cmds)))
+    run_jobs([(f"{name}: {arm} seed {seed}", os.path.join(root, f"log_{name}_{slug(arm)}_{seed}.txt"), cmd)
               for name, arm, seed, cmd in jobs], "study")
     return {name: study_report(opts, name) for name in opts.study}
+
+
+def shell_chain(cmds):
+    """One shell line that runs the commands (argument lists) in turn, stopping at the first that fails."""
+    return " && ".join(" ".join(shlex.quote(str(c)) for c in cmd) for cmd in cmds)
 
 
 def run_jobs(jobs, who, parallel=2):
