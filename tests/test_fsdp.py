@@ -108,16 +108,21 @@ def test_a_sharded_update_of_harmon_and_nova_is_the_unsharded_one(tmp_path):
 # -----------------------------------------------------------------------------
 # The memory table (`python -m benchmarks.bench --memory PRESET`, benchmarks/memory_table.py): its counted cells and its model
 
-def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
+def tiny_harmon_memory_flags(folder):
+    """bench.py's --memory flags for a tiny Harmon (its config written to folder) at 4 and 9 tokens."""
     import json
 
+    from tests import test_harmon
+    (folder / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
+    return ["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(folder / "h.json"), "--memory-tokens", "4,9"]
+
+
+def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
     from benchmarks import bench
     from infra import lora
     from benchmarks import memory_table
     from tests import test_harmon
-    (tmp_path / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
-    res = bench.main(["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(tmp_path / "h.json"),
-                      "--memory-tokens", "4,9", "--memory-images", "2", "--lora", "3", "--world", "4"])["memory"]
+    res = bench.main(tiny_harmon_memory_flags(tmp_path) + ["--memory-images", "2", "--lora", "3", "--world", "4"])["memory"]
     model = test_harmon.tiny_harmon(seed=0)
     args = SimpleNamespace(model="harmon")
     trained = sum(p.numel() for n, p in model.named_parameters() if n in loading.trainable_names(args, model, False, True))
@@ -153,13 +158,8 @@ def test_memory_table_counts_each_mode_at_a_tiny_harmon(tmp_path):
 def test_memory_table_measures_only_the_dtypes_asked_for(tmp_path):
     """--memory-dtypes bf16: the bf16 rows, measured and modelled as in the full table, no fp32 row;
     a dtype that is not fp32 or bf16, or one given twice, is a one-line error naming the flag."""
-    import json
-
     from benchmarks import bench
-    from tests import test_harmon
-    (tmp_path / "h.json").write_text(json.dumps(test_harmon.tiny_config()))
-    flags_ = ["--memory", "adapter_smoke", "--model", "harmon", "--model-config", str(tmp_path / "h.json"),
-              "--memory-tokens", "4,9", "--memory-repeats", "1"]
+    flags_ = tiny_harmon_memory_flags(tmp_path) + ["--memory-repeats", "1"]
     res = bench.main(flags_ + ["--memory-dtypes", "bf16"])["memory"]
     assert list(res["table"]) == [f"{mode}, bf16{c}" for mode in ("DDP", "FSDP over 8", "LoRA rank 32")
                                   for c in ("", ", checkpointed")]
