@@ -79,6 +79,9 @@ def build_parser():
     a("--out", default=None, help="output folder for base.pt (default runs/<preset>_base)")
     a("--seed", type=NONNEG_INT, default=0, help="seed of the initial weights and of every step's data and noise")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    a("--precision", default=None, choices=["bf16", "fp32"],
+      help="the forward passes' dtype: bf16 autocast or fp32 (default: bf16 on CUDA, fp32 on the "
+           "CPU), as train.py's")
     a("--threads", type=NONNEG_INT, default=0, help="torch CPU threads (0: torch's default)")
     model_size_flags(p)
     a("--cell", type=NONNEG_INT, default=0, help="objects aligned to cells of this many pixels (0 = free)")
@@ -86,6 +89,8 @@ def build_parser():
       help="probability that an image shows one more object than its prompt says (shapes.make_dataset)")
     a("--relation-p", type=number(float, 0, 1), default=1.0,
       help="probability that a spatial prompt's image keeps its relation; otherwise its objects lie anywhere")
+    a("--relation-mirror", type=number(float, 0, 1), default=0.0,
+      help="probability that a spatial prompt's image shows the mirrored relation (left of drawn as right of)")
     a("--categories", nargs="+", default=list(shapes.CATEGORIES), choices=shapes.CATEGORIES,
       help="the prompt categories drawn, each equally often")
     a("--pretrain-steps", type=NONNEG_INT, default=2000, help="optimizer steps")
@@ -196,6 +201,7 @@ def data(args, ctx, step, codec):
     rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
     imgs, metas = shapes.make_dataset(args.pretrain_batch // ctx.world, args.img_size, rng, split="train", cell=args.cell,
                                       unmentioned=args.unmentioned, relation_p=args.relation_p,
+                                      mirror_p=args.relation_mirror,
                                       categories=tuple(args.categories))  # divisibility: check_inputs
     x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
     return x, torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)

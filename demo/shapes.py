@@ -328,7 +328,8 @@ def unmentioned_object(meta, size, rng, cell=0):
     return pairs[rng.integers(len(pairs))]
 
 
-def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0, relation_p=1.0, categories=CATEGORIES):
+def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0, relation_p=1.0, mirror_p=0.0,
+                 categories=CATEGORIES):
     """n rendered prompts of a split: images (n, size, size, 3) uint8 and their metadata dicts.
 
     unmentioned: the probability that an image also shows one object its prompt does not mention
@@ -336,14 +337,21 @@ def make_dataset(n, size, rng, split="train", cell=0, unmentioned=0.0, relation_
     such an object as an error, so a base pretrained on these data makes an error that RL can remove
     (`python -m demo.pretrain --unmentioned`). relation_p: the probability that a spatial prompt's
     image keeps its relation; otherwise its two objects lie anywhere (a caption that is only partly
-    reliable, so a base learns the relation as a tendency RL can strengthen); categories: the prompt
-    categories drawn (`sample_prompts`). At unmentioned 0, relation_p 1 and every category the images
+    reliable, so a base learns the relation as a tendency RL can strengthen); mirror_p: the probability
+    that a spatial prompt's image (one that keeps a relation) shows the mirrored one instead, "left of"
+    drawn as "right of" (a caption written from the other side, so a base learns the relation's axis
+    but not its direction, which no sampling temperature can fix); categories: the prompt categories
+    drawn (`sample_prompts`). At unmentioned 0, relation_p 1, mirror_p 0 and every category the images
     and the random stream are those of the clean world.
     """
     metas = sample_prompts(n, rng, split, categories)
     images = np.zeros((n, size, size, 3), dtype=np.uint8)  # (n, H, W, RGB)
     for i, meta in enumerate(metas):
         extra = unmentioned_object(meta, size, rng, cell) if unmentioned and rng.random() < unmentioned else None
-        follow = relation_p >= 1 or meta["category"] != "spatial" or rng.random() < relation_p
-        images[i] = render(meta, size, rng, cell, unmentioned=[extra] if extra else (), follow_relation=follow)
+        spatial = meta["category"] == "spatial"
+        follow = relation_p >= 1 or not spatial or rng.random() < relation_p
+        drawn = meta
+        if spatial and follow and mirror_p > 0 and rng.random() < mirror_p:  # the caption's other side
+            drawn = {**meta, "relation": _MIRROR[meta["relation"]]}
+        images[i] = render(drawn, size, rng, cell, unmentioned=[extra] if extra else (), follow_relation=follow)
     return images, metas

@@ -125,20 +125,23 @@ def test_pretraining_skips_non_finite_loss(tmp_path, capsys, monkeypatch):
 
 
 def test_pretraining_renders_the_world_its_flags_ask_for(tmp_path, capsys, monkeypatch):
-    """--cell, --unmentioned, --relation-p and --categories reach the pretraining data (the demo's base
-    was made with the first two, the spatial study's with all four)."""
+    """--cell, --unmentioned, --relation-p, --relation-mirror and --categories reach the pretraining
+    data (the demo's base was made with the first two, the relation bases with the others)."""
     seen = []
     make = shapes.make_dataset
     monkeypatch.setattr(shapes, "make_dataset", lambda *a, **k: seen.append(k) or make(*a, **k))
     code, _, err = cli(capsys, "--preset", "smoke", "--pretrain-steps", "2", "--img-size", "16", "--patch-size", "2",
                        "--cell", "8", "--unmentioned", "0.5", "--out", tmp_path / "a")
     assert code == 0, err
-    assert seen == [dict(split="train", cell=8, unmentioned=0.5, relation_p=1.0, categories=shapes.CATEGORIES)] * 2
+    assert seen == [dict(split="train", cell=8, unmentioned=0.5, relation_p=1.0, mirror_p=0.0,
+                         categories=shapes.CATEGORIES)] * 2
     seen.clear()
     code, _, err = cli(capsys, "--preset", "smoke", "--pretrain-steps", "1", "--img-size", "16", "--patch-size", "2",
-                       "--cell", "8", "--relation-p", "0.5", "--categories", "spatial", "--out", tmp_path / "b")
+                       "--cell", "8", "--relation-p", "0.5", "--relation-mirror", "0.25", "--categories", "spatial",
+                       "--out", tmp_path / "b")
     assert code == 0, err
-    assert seen == [dict(split="train", cell=8, unmentioned=0.0, relation_p=0.5, categories=("spatial",))]
+    assert seen == [dict(split="train", cell=8, unmentioned=0.0, relation_p=0.5, mirror_p=0.25,
+                         categories=("spatial",))]
 
 
 def test_pretraining_continues_from_a_base(tmp_path, smoke_base, capsys):

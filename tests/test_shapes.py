@@ -255,6 +255,34 @@ def test_relation_p_keeps_the_relation_with_that_probability_and_changes_nothing
     assert scores and min(scores) == 1.0
 
 
+def test_mirror_p_draws_the_mirrored_relation_with_that_probability_and_changes_nothing_at_zero():
+    """make_dataset(mirror_p=q): a spatial prompt's image shows the mirrored relation ("left of" drawn
+    as "right of") with probability q and its own otherwise, never anything else; q = 0 is the
+    clean world, draw for draw; other categories stay right."""
+    mirror = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+    def outcomes(q, seed):
+        imgs, metas = shapes.make_dataset(600, 16, np.random.default_rng(seed), cell=8, mirror_p=q)
+        own, mirrored, other = 0, 0, []
+        for image, m in zip(imgs, metas):
+            if m["category"] != "spatial":
+                other.append(verifier.verify(image, m)[0])
+                continue
+            holds = verifier.verify(image, m)[1]["relation"] is True
+            flipped = verifier.verify(image, {**m, "relation": mirror[m["relation"]]})[1]["relation"] is True
+            own, mirrored = own + holds, mirrored + flipped
+            assert holds != flipped  # one of the two, always
+        return own, mirrored, other
+
+    own, mirrored, other = outcomes(0.3, 5)
+    n = own + mirrored
+    assert abs(mirrored / n - 0.3) < 3 * np.sqrt(0.3 * 0.7 / n) and min(other) == 1.0
+    assert outcomes(1.0, 6)[0] == 0
+    a = shapes.make_dataset(40, 16, np.random.default_rng(3), cell=8)
+    b = shapes.make_dataset(40, 16, np.random.default_rng(3), cell=8, mirror_p=0.0)
+    assert np.array_equal(a[0], b[0]) and a[1] == b[1]
+
+
 def test_verifier_gives_blank_and_noise_images_low_scores():
     rng = np.random.default_rng(2)
     metas = shapes.sample_prompts(64, rng, "all")
