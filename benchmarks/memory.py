@@ -6,8 +6,8 @@ at a given size (`measure`), from which memory_table.py models what one GPU hold
 (`python -m benchmarks.bench --memory PRESET`; docs/memory.md).
 
 `measure` runs as train.py does: the rollout and each trained AR step's forward under the run's
-autocast (fp32: none; bf16: torch.autocast to bfloat16, the CUDA path's policy; the weights stay
-fp32 and the head runs in fp32 under it), the backward outside it, with and without
+autocast (fp32: none; bf16: torch.autocast to bfloat16, --precision bf16, CUDA's default; the
+weights stay fp32 and the head runs in fp32 under it), the backward outside it, with and without
 --grad-checkpointing. Its peaks: on the CPU the peak resident memory of this process (Linux
 VmHWM, reset before each stage; glibc told to return every freed block over 64 KiB) above what it
 held before the stage; on a GPU the peak of torch's allocator above what it held before. The
@@ -16,7 +16,6 @@ work), all but one known at the second (the transformer's longest input): the ex
 preset's 64.
 """
 
-import contextlib
 import ctypes
 import dataclasses
 import json
@@ -33,7 +32,7 @@ import masks
 import mte
 import rollout
 from diffloss import DiffLoss
-from infra import flags, lora
+from infra import flags, lora, processes
 from models import loading
 
 
@@ -229,14 +228,15 @@ def condition_inputs(args, model, G):
     return dict(prompt_embeds=torch.randn(G, 32, model.text_embed.proj.in_features, generator=g))
 
 
-# the dtypes a run computes in: fp32 (the CPU path) and bf16 autocast (the CUDA path, processes.Ctx.autocast)
+# the dtypes a run computes in (--precision): fp32 (the CPU's default) and bf16 autocast (CUDA's)
 DTYPES = ("fp32", "bf16")
 VARIANTS = [(dtype, ckpt) for dtype in DTYPES for ckpt in (False, True)]  # × plain / --grad-checkpointing
 
 
 def autocast(dtype, device):
-    """The forward passes' autocast of a run in `dtype` on `device`: none for fp32, bfloat16 for bf16."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    """The forward passes' autocast of a run in `dtype` on `device` (processes.autocast, as
+    processes.Ctx.autocast): none for fp32, bfloat16 for bf16."""
+    return processes.autocast(dtype, device)()
 
 
 def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, repeats=0, dtypes=DTYPES):

@@ -113,6 +113,10 @@ def run_flags(p):
     a("--eval-only", action="store_true", help="generate for --prompts and score, then exit")
     a("--seed", type=NONNEG_INT, default=0, help="global seed; every step's randomness derives from (seed, step, rank)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
+    a("--precision", default=None, choices=["bf16", "fp32"],
+      help="the forward passes' dtype on any device: bf16 autocast or fp32 (default: bf16 on CUDA, "
+           "fp32 on the CPU); the diffusion head computes in fp32 and the weights, gradients and "
+           "AdamW state are fp32 in both (infra/processes.py, docs/memory.md)")
     a("--threads", type=NONNEG_INT, default=0, help="torch CPU threads (0: torch's default)")
     a("--wandb", action="store_true", help="also log to Weights & Biases (needs the wandb package)")
 

@@ -40,8 +40,32 @@ def seeded(device, *parts):
 TIMEOUT = datetime.timedelta(minutes=60)
 
 
+PRECISIONS = ("bf16", "fp32")  # what --precision takes (infra/flags.py; demo/pretrain.py)
+
+
+def autocast(precision, device):
+    """The forward passes' context of a run in `precision` on `device` (a torch.device), as a
+    factory to call for each forward pass: bf16 is torch.autocast to bfloat16 (matmuls,
+    convolutions and attention in bf16; the weights, their gradients, AdamW's state and the
+    backward pass stay fp32, and the diffusion head runs in fp32 under it: diffloss.py,
+    models/nova_heads.py), fp32 is no autocast. The same on every device."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision {precision}: choose from {', '.join(PRECISIONS)}")
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def use_tf32(precision):
+    """CUDA's fp32 matmuls and convolutions (the head's, the losses') in TF32, 10 mantissa bits, for
+    a bf16 run, whose transformer computes in 8; in true fp32 for an fp32 run, the reference a bf16
+    run's NaNs or recorded-versus-recomputed gaps are checked against. Process-wide settings."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "bf16"
+
+
 class Ctx:
-    """Process-wide facts: rank, world size, device, whether this is the master process."""
+    """Process-wide facts: rank, world size, device, the forward passes' precision (`autocast`),
+    whether this is the master process."""
 
     def __init__(self, args):
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -54,16 +78,20 @@ class Ctx:
         else:
             self.rank, self.world = 0, 1
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if want_cuda else "cpu")
+        # --precision (default: bf16 on CUDA, fp32 on the CPU), written back so that what records
+        # the flags (config.json, a checkpoint's args) records the precision the run computed in
+        self.precision = getattr(args, "precision", None) or ("bf16" if want_cuda else "fp32")
+        if hasattr(args, "precision"):
+            args.precision = self.precision
         if want_cuda:
             torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+            use_tf32(self.precision)
         if args.threads:
             torch.set_num_threads(args.threads)
         self.master = self.rank == 0
         self.seed = args.seed
-        # bf16 autocast on CUDA for forward passes only (backward runs outside it, as PyTorch advises);
-        # the diffusion head always runs in fp32 (diffloss.py)
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if want_cuda else contextlib.nullcontext
+        # the forward passes' context (backward runs outside it, as PyTorch advises)
+        self.autocast = autocast(self.precision, self.device)
 
     def generator(self, *parts, shard=None):
         """The generator of (stage, step, ...) on the run's device, for this rank's data, or for
