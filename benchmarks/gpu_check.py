@@ -5,14 +5,20 @@
 
 Sections (each gives rows of the table):
   smoke       train.py's smoke pipeline of each model (the small MAR's --preset smoke; tiny random
-              Harmon and NOVA files, benchmarks/tiny_files.py, with --preset adapter_smoke), plain and
-              with --grad-checkpointing, on the GPU under bf16 autocast, with CUDA's sync debug mode
-              set to fail on a host sync inside the per-diffusion-step loops (the head's sampler,
-              diffloss.reverse_sample, and the update's recomputed means, diffloss.transition_mean).
+              Harmon and NOVA files, benchmarks/tiny_files.py, with --preset adapter_smoke):
+              plain and with --grad-checkpointing in the device's default precision (bf16
+              autocast on the GPU), plain in the other (--precision fp32 on the GPU), each with
+              its largest recorded-vs-recomputed gap (logp_parity_err), with CUDA's sync debug
+              mode set to fail on a host sync inside the per-diffusion-step loops (the head's
+              sampler, diffloss.reverse_sample, and the update's recomputed means,
+              diffloss.transition_mean).
               A head's first call may copy its schedule to the device once; that call is only warned
               about, and the one-time syncs are counted.
-  parity      recorded vs recomputed ℓ (max |Δℓ|, nats) under bf16 autocast and in fp32 for MAR-B,
-              Harmon-1.5B and NOVA-d48w1024 (random weights; the released architectures at 8 × 8 tokens).
+  parity      recorded vs recomputed ℓ (max |Δℓ|, nats) of a rollout and its update both in
+              bf16 and both in fp32 (TF32 off), and of an fp32 rollout recomputed in bf16 (the
+              size of a precision mismatch, what the first two are judged against), for MAR-B,
+              Harmon-1.5B and NOVA-d48w1024 (random weights; the released architectures at
+              8 × 8 tokens).
   nccl        one step of the smoke pipeline under `torchrun --standalone --nproc_per_node=1` (NCCL).
   memory      the allocator's peak of one trained AR step of each preset (benchmarks/memory.py's measure,
               one image at --memory-tokens tokens, fp32 and bf16, plain and checkpointed), beside the CPU
@@ -98,13 +104,22 @@ class StrictLoops:
             setattr(m, name, fn)
 
 
+def smoke_runs(device):
+    """(mode, precision) of each model's smoke runs: plain and checkpointed in the device's default
+    precision (processes.Ctx), plain in the other."""
+    default = "bf16" if device == "cuda" else "fp32"
+    other = next(p for p in processes.PRECISIONS if p != default)
+    return [("plain", default), ("checkpointed", default), ("plain", other)]
+
+
 def smoke(opts, out):
     rows = []
     for model, more in tiny_files.smoke_flags(opts.work / "files").items():
         firsts = {}
-        for mode in ("plain", "checkpointed"):
-            run = opts.work / f"smoke_{model}_{mode}"
-            argv = [*more, "--device", opts.device, "--out", run] + (["--grad-checkpointing"] if mode == "checkpointed" else [])
+        for mode, precision in smoke_runs(opts.device):
+            run = opts.work / f"smoke_{model}_{mode}_{precision}"
+            argv = [*more, "--device", opts.device, "--precision", precision, "--out", run] + (
+                ["--grad-checkpointing"] if mode == "checkpointed" else [])
             t0 = time.time()
             with StrictLoops() if opts.device == "cuda" else contextlib.nullcontext() as strict:
                 try:
@@ -112,12 +127,20 @@ def smoke(opts, out):
                 except RuntimeError as e:  # a host sync in a loop (sync debug mode "error"), or another failure
                     rc, why = 1, str(e).splitlines()[0]
             ok = rc == 0 and (run / "metrics.jsonl").is_file()
-            firsts[mode] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0]) if ok else {}
+            lines = (run / "metrics.jsonl").read_text().splitlines() if ok else []
+            firsts[mode, precision] = json.loads(lines[0]) if ok else {}
+            parity = max(json.loads(line)["logp_parity_err"] for line in lines) if ok else None
+            ok = ok and parity <= train.PARITY_WARN
             one_time = f", {strict.first_call} one-time syncs in heads' first calls" if strict else ""
-            rows.append((f"smoke {model} {mode}", "ok" if ok else "FAIL", f"exit {rc} in {time.time() - t0:.0f} s"
-                         + (", no host sync in the per-diffusion-step loops" if ok and strict else "") + one_time + why))
-        if firsts["plain"] and firsts["checkpointed"]:
-            diff = {k: abs(firsts["plain"][k] - firsts["checkpointed"][k]) for k in ("loss", "grad_norm", "logp_parity_err")}
+            figures = f"exit {rc} in {time.time() - t0:.0f} s" + (
+                "" if parity is None else f", max |Δℓ| recorded - recomputed {parity:.2g} nats")
+            figures += ", no host sync in the per-diffusion-step loops" if ok and strict else ""
+            rows.append((f"smoke {model} {mode} {precision}", "ok" if ok else "FAIL",
+                         figures + one_time + why))
+        plain, checkpointed = (firsts[run] for run in smoke_runs(opts.device)[:2])
+        if plain and checkpointed:
+            diff = {k: abs(plain[k] - checkpointed[k])
+                    for k in ("loss", "grad_norm", "logp_parity_err")}
             rows.append((f"smoke {model}: checkpointed - plain, step 0", "measured",
                          ", ".join(f"Δ {k} {v:.2g}" for k, v in diff.items())))
     for row in rows:
@@ -144,22 +167,48 @@ def model_at(args, side, device):
     return model.to(device).eval().requires_grad_(False)
 
 
-def parity(args, base, device, G=4):
-    """max |ℓ recomputed − ℓ recorded| over 2 recorded AR steps of an 8-step rollout, per dtype."""
-    inputs = {k: v.to(device) for k, v in memory.condition_inputs(args, base, G).items()}
+PAIRS = (("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16"))  # (rollout's, update's precision)
+
+
+def parity(args, base, inputs, device, pairs=PAIRS):
+    """max |ℓ recomputed − ℓ recorded| (nats) over 2 recorded AR steps of an 8-step rollout of the
+    images of `inputs` (condition inputs on `device`), per (rollout's precision, update's
+    precision) of `pairs`, each side computing as a run in its precision does (processes.autocast;
+    on CUDA processes.use_tf32). A pair of one precision is what a run in it logs
+    (logp_parity_err); a mixed pair, an update in another precision than its rollout's, is the
+    size of a precision mismatch. Returns {(recorded, recomputed): max |Δℓ|}."""
     settings = flags.grpo_settings(args)
     model = loading.make_policy(args, base, settings)
-    plan = rollout.RolloutPlan(ar_steps=[1, 5], diff_steps=list(model.diffloss.trainable_steps())[-args.train_diff_steps:][::-1])
-    err = {}
-    for dtype in memory.DTYPES:
-        with memory.autocast(dtype, device):
-            _, record = rollout.record_rollout(model, inputs, 8, args.cfg, args.cfg_schedule, args.temperature, plan,
-                                               torch.Generator(device).manual_seed(0))
-            with torch.no_grad():
-                adv = torch.zeros(G, device=device)
-                err[dtype] = max(float(grpo.ar_step_loss(model, base, record, j, inputs, adv, settings)[1]["logp_parity_err"])
-                                 for j in range(len(record.steps)))
+    diff_steps = list(model.diffloss.trainable_steps())[-args.train_diff_steps:][::-1]
+    plan = rollout.RolloutPlan(ar_steps=[1, 5], diff_steps=diff_steps)
+    adv = torch.zeros(len(next(iter(inputs.values()))), device=device)
+    err, records = {}, {}
+
+    def computing_in(precision):
+        if device.type == "cuda":
+            processes.use_tf32(precision)
+        return processes.autocast(precision, device)()
+    for recorded, recomputed in pairs:
+        if recorded not in records:
+            with computing_in(recorded):
+                records[recorded] = rollout.record_rollout(
+                    model, inputs, 8, args.cfg, args.cfg_schedule, args.temperature, plan,
+                    torch.Generator(device).manual_seed(0))[1]
+        record = records[recorded]
+        with computing_in(recomputed), torch.no_grad():
+            stats = [grpo.ar_step_loss(model, base, record, j, inputs, adv, settings)[1]
+                     for j in range(len(record.steps))]
+        err[recorded, recomputed] = max(float(s["logp_parity_err"]) for s in stats)
     return err
+
+
+def parity_row(name, err):
+    """`parity`'s figures as a table row: ok if a run in either precision stays under
+    train.PARITY_WARN."""
+    same = err["bf16", "bf16"], err["fp32", "fp32"]
+    return (name, "ok" if max(same) < train.PARITY_WARN else "FAIL",
+            f"max |Δℓ| bf16 {same[0]:.2g} nats, fp32 {same[1]:.2g}; an fp32 rollout recomputed in "
+            f"bf16 {err['fp32', 'bf16']:.2g} (warns above {train.PARITY_WARN})")
 
 
 def cpu_figure(preset, tokens, variant):
@@ -184,9 +233,10 @@ def released(opts, out):
                 base = None
                 base = model_at(args, side, opts.torch_device)
             if side == 8 and "parity" in opts.sections:
-                err = parity(args, base, opts.torch_device)
-                rows.append((f"parity {preset}, 64 tokens", "ok" if err["bf16"] < train.PARITY_WARN else "FAIL",
-                             f"max |Δℓ| bf16 {err['bf16']:.2g} nats, fp32 {err['fp32']:.2g} (warns above {train.PARITY_WARN})"))
+                inputs = {k: v.to(opts.torch_device)
+                          for k, v in memory.condition_inputs(args, base, 4).items()}
+                err = parity(args, base, inputs, opts.torch_device)
+                rows.append(parity_row(f"parity {preset}, 64 tokens", err))
                 out(rows[-1])
             if side * side in opts.memory_tokens and "memory" in opts.sections:
                 m = memory.measure(args, side, 1, "full", 32, opts.torch_device, base, repeats=3)
@@ -230,7 +280,7 @@ def timed(fn, device, repeats=3):
 
 def throughput(opts, out):
     device, rows = opts.torch_device, []
-    bf16 = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731  (processes.Ctx.autocast on CUDA)
+    bf16 = processes.autocast("bf16", device)  # a bf16 run's forward passes (Ctx.autocast)
     preset = flags.PRESETS["mar_base"]
     setting_opts = argparse.Namespace(base_steps=f"{preset['num_iter']},{preset['num_sampling_steps']},{preset['train_ar_steps']}")
     st = bench.mar_base_setting(setting_opts, device)

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py, the first GPU's command, where there is none: it checks its flags (a bad one
 is one line naming it, exit status 2, nothing written), says in one line that there is no CUDA device and
-exits 0; and its smoke section runs on the CPU (`--device cpu`), writing the table as JSON."""
+exits 0; and its smoke section runs on the CPU (`--device cpu`), in both precisions, writing the table as
+JSON (its parity check in both precisions: tests/test_precision.py)."""
 
 import json
 
@@ -39,11 +40,14 @@ def test_the_smoke_section_on_the_cpu(tmp_path, capsys):
     rows = gpu_check.main(["--device", "cpu", "--sections", "smoke", "--work", str(tmp_path / "work"),
                            "--json", str(tmp_path / "table.json"), "--threads", "1"])
     table = json.loads((tmp_path / "table.json").read_text())
+    runs = ("plain fp32", "checkpointed fp32", "plain bf16")  # the CPU's default precision, then the other
     assert [r["check"] for r in table["rows"]] == [row[0] for row in rows] == [
         name for m in ("small", "harmon", "nova")
-        for name in (f"smoke {m} plain", f"smoke {m} checkpointed", f"smoke {m}: checkpointed - plain, step 0")]
+        for name in [f"smoke {m} {run}" for run in runs] + [f"smoke {m}: checkpointed - plain, step 0"]]
     checks = {r["check"]: r for r in table["rows"]}
     for model in ("small", "harmon", "nova"):
-        assert checks[f"smoke {model} plain"]["result"] == checks[f"smoke {model} checkpointed"]["result"] == "ok"
+        for run in runs:  # each run's recorded = recomputed ℓ, bit for bit on the CPU in either precision
+            assert checks[f"smoke {model} {run}"]["result"] == "ok"
+            assert ", max |Δℓ| recorded - recomputed 0 nats" in checks[f"smoke {model} {run}"]["figures"]
         assert checks[f"smoke {model}: checkpointed - plain, step 0"]["figures"] == "Δ loss 0, Δ grad_norm 0, Δ logp_parity_err 0"
     assert "| check | result | figures |" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 default bf16 on CUDA, fp32 on the CPU). Every model's smoke pipeline (MAR, Harmon, NOVA; plain,
 --lora, --grad-checkpointing) trains in bf16 on the CPU: its transformer computes in bf16, the
 diffusion head in fp32, config.json records the precision, and the update recomputes the ℓ the
-rollout recorded (`PARITY_BOUND`)."""
+rollout recorded (`PARITY_BOUND`); benchmarks/gpu_check.py's parity check in both precisions."""
 
 import contextlib
 import json
@@ -15,11 +15,12 @@ import diffloss
 import grpo
 import rollout
 import train
-from benchmarks import tiny_files
+from benchmarks import gpu_check, tiny_files
 from demo import pretrain
 from infra import flags, processes
 from infra.processes import Ctx, cli
 from models import nova_heads
+from tests.test_distributed import tiny
 
 torch.set_num_threads(1)
 
@@ -32,13 +33,14 @@ torch.set_num_threads(1)
 # another precision than its rollout's: bf16 matmuls keep 8 mantissa bits, so z moves by ~2^-9
 # relative, μ with it as far as the head depends on z, and ℓ = log N(x_prev; μ, σ²) by
 # ~|x_prev − μ| Δμ / σ². A bf16 rollout updated in fp32 (train.backward_batch without autocast)
-# logs up to 3.0e-2 (Harmon), 1.0e-3 (NOVA) and 2.9e-5 (the smoke MAR) in 2 steps; on tiny
-# random models (tests/test_distributed.tiny) an fp32 rollout recomputed in bf16 differs by 2.4e-3
-# (NOVA) to 2.4e-2 (MAR). 5e-6, about 5 fp32 ulps of ℓ (|ℓ| ≤ 8.5 per
+# logs up to 3.0e-2 (Harmon), 1.0e-3 (NOVA) and 2.9e-5 (the smoke MAR) in 2 steps; on the tiny
+# models of the parity test below an fp32 rollout recomputed in bf16 differs by 2.4e-3 (NOVA) to
+# 2.4e-2 (MAR). 5e-6, about 5 fp32 ulps of ℓ (|ℓ| ≤ 8.5 per
 # element here: an ulp of 9.5e-7), leaves room for kernels that are not bit-reproducible
 # (threaded or GPU reductions) and lies 6× below the smallest mismatch; fp32's 1e-4 of the other
 # tests would miss the smoke MAR's.
 PARITY_BOUND = 5e-6
+MISMATCH_FLOOR = 1e-3  # the parity test's: under the smallest mismatch it measures (2.4e-3)
 
 
 # -----------------------------------------------------------------------------
@@ -160,3 +162,23 @@ def test_the_smoke_pipeline_trains_in_bf16_and_recomputes_what_it_recorded(
     assert [r["step"] for r in rows] == [0, 1] and not any(r["skipped"] for r in rows)
     assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "grad_norm", "kl"))
     assert max(r["logp_parity_err"] for r in rows) <= PARITY_BOUND, rows
+
+
+# -----------------------------------------------------------------------------
+# benchmarks/gpu_check.py's parity check, on the CPU in both precisions
+
+@pytest.mark.parametrize("kind", ["small", "harmon", "nova"])
+def test_gpu_check_parity_runs_in_both_precisions_and_sees_a_mismatch(kind):
+    """gpu_check.parity on a tiny model of each kind, on the CPU: a rollout and its update in one
+    precision agree within the bound, in bf16 as in fp32; an fp32 rollout recomputed in bf16 does
+    not (so both sides did compute in the precision named)."""
+    base, inputs = tiny(kind)
+    args = flags.parse_args(["--preset", "adapter_smoke", "--model", kind, "--cfg", "3",
+                             "--train-diff-steps", "3"])
+    err = gpu_check.parity(args, base.requires_grad_(False), inputs, torch.device("cpu"))
+    assert set(err) == {("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16")}
+    assert err["bf16", "bf16"] <= PARITY_BOUND and err["fp32", "fp32"] <= PARITY_BOUND, err
+    assert err["fp32", "bf16"] > MISMATCH_FLOOR, err
+    name, result, figures = gpu_check.parity_row(f"parity {kind}", err)
+    assert result == "ok"
+    assert figures.startswith("max |Δℓ| bf16 0 nats, fp32 0; an fp32 rollout recomputed in bf16 ")
