@@ -31,7 +31,7 @@ import torch
 import rewards
 from demo import shapes
 from infra import checkpoints, flags, processes
-from scorers import remote, server, wire
+from scorers import auth, remote, server
 
 
 def batch(n, size, seed):
@@ -45,8 +45,9 @@ def batch(n, size, seed):
 
 
 def client(url):
-    """The `server` settings of rewards.build_reward for `url`, the token from MARGRPO_REWARD_TOKEN."""
-    return dict(url=url, token=os.environ.get(wire.TOKEN_ENV) or None)
+    """The `server` settings of rewards.build_reward for `url`, the token from MARGRPO_REWARD_TOKEN
+    (scorers/auth.py: checked, never printed)."""
+    return dict(url=url, token=auth.read(None, "--token-file"))
 
 
 def percentile(values, q):

@@ -185,7 +185,9 @@ def reward_and_eval_flags(p):
     a("--reward-url", default=None, help="score with the reward server at this URL (python -m scorers.server, "
       "docs/reward_server.md) instead of loading the reward models; its token from MARGRPO_REWARD_TOKEN")
     a("--reward-token-file", default=None, help="a file holding the reward server's token (instead of MARGRPO_REWARD_TOKEN)")
-    a("--reward-timeout", type=POS_FLOAT, default=120.0, help="seconds to wait for the reward server's answer to a batch")
+    a("--reward-timeout", type=POS_FLOAT, default=120.0,
+      help="seconds a request to the reward server may take in all, from connecting to the last "
+           "byte of its answer")
     a("--reward-retries", type=NONNEG_INT, default=8,
       help="tries again when the reward server cannot be reached, waiting 0.5 s, 1 s, 2 s, ... (at most 15 s) between")
     a("--reward-norm", default="none", choices=["none", "group-minmax"],

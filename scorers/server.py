@@ -8,20 +8,25 @@ evaluation process sends it (scorers/remote.py), over HTTP with FastAPI on uvico
 The wire format is scorers/wire.py's (NPY images and JSON, nothing that carries code). Each
 request names the rewards to run; each reward scores the images exactly as in a training process
 (rewards.Reward on the same uint8 pixels, moved to this server's device), so a served score equals
-the in-process one. One batch is scored at a time (a lock around the models); requests are read
-and checked concurrently.
+the in-process one. Bodies are read concurrently; one batch at a time is decoded, scored and
+answered (a lock around the models).
 
 Safe by default: it listens on 127.0.0.1; on any other address it refuses to start without a
-shared token (MARGRPO_REWARD_TOKEN or --token-file, 16 or more printable ASCII characters), which
-every request must then send as `Authorization: Bearer TOKEN` (compared in constant time). A body
-over --max-body-mb, a malformed or wrongly shaped request, a missing or wrong token, or an unknown
-reward is a 4xx answer with a one-line reason, and the server goes on serving. The token travels
-in clear over plain HTTP: beyond one machine, use a private network or an SSH tunnel
+shared token (MARGRPO_REWARD_TOKEN or --token-file, scorers/auth.py), which every request must
+then send as `Authorization: Bearer TOKEN` (compared in constant time, on the request's head,
+before its body is read). A body over --max-body-mb, a malformed or wrongly shaped request, a
+missing or wrong token, or an unknown reward is a 4xx answer with a one-line reason (logged with
+the peer's bytes escaped), and the server goes on serving. Idle, trickling and oversize peers are
+bounded (scorers/limits.py): a request head within --header-timeout, a body within
+--body-timeout, --max-connections open at once (room made by closing the idlest), and request
+bodies held in memory within --max-inflight-mb, so that the peak memory is the models', one
+batch's scoring and --max-inflight-mb (docs/reward_server.md, "Memory"). The token travels in
+clear over plain HTTP: beyond one machine, use a private network or an SSH tunnel
 (docs/reward_server.md).
 """
 
 import argparse
-import hmac
+import asyncio
 import ipaddress
 import logging
 import os
@@ -29,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 
 import torch
 import uvicorn
@@ -39,41 +45,86 @@ from starlette.requests import ClientDisconnect
 
 import rewards
 from infra import processes
-from scorers import wire
+from scorers import auth, limits, wire
 
 TOKEN_ENV = wire.TOKEN_ENV
-MIN_TOKEN = 16                      # characters
+MIN_TOKEN = auth.MIN_TOKEN          # characters
 READY = "reward server: serving"    # the start of the line printed once the models are loaded
+one_line = wire.one_line
 
 
 # -----------------------------------------------------------------------------
 # The application
 
-async def read_body(request, limit):
-    """The request's body, refused (413) as soon as it is known to exceed `limit` bytes."""
+def declared_size(request, limit):
+    """The bytes a request's body will hold, from its head: its Content-Length, `limit` for a
+    chunked body (its size is known only once read), 0 without either. Refused(413) over `limit`."""
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise wire.Refused(413, f"body of {declared} bytes over the server's limit of {limit} (--max-body-mb)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise wire.Refused(413, f"body over the server's limit of {limit} bytes (--max-body-mb)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if declared is None:
+        return limit if "chunked" in request.headers.get("transfer-encoding", "").lower() else 0
+    if not declared.isdigit() or int(declared) > limit:
+        raise wire.Refused(413, f"body of {one_line(declared, 40)} bytes over the server's limit "
+                                f"of {limit} (--max-body-mb)")
+    return int(declared)
 
 
-def make_app(served, token=None, max_body=64 << 20, device="cpu"):
-    """The FastAPI application serving `served` ({name: rewards.Reward}) on `device`; `token`: the
-    shared token every request must send (None: none asked); `max_body`: bytes a request may hold."""
+async def read_body(request, size, limit):
+    """The request's body in one bytearray, each byte copied once from the connection: `size` bytes
+    (declared_size) when it has a Content-Length, else gathered and refused (413) beyond `limit`.
+    Whatever stops the read, the bytes read are let go then, not kept by its traceback."""
+    if request.headers.get("content-length") is not None:
+        body, filled = bytearray(size), 0
+        try:
+            async for chunk in request.stream():
+                if filled + len(chunk) > size:
+                    raise wire.Refused(400, "body longer than its Content-Length")
+                body[filled:filled + len(chunk)] = chunk
+                filled += len(chunk)
+        except BaseException:
+            body = None
+            raise
+        if filled != size:
+            raise ClientDisconnect()
+        return body
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise wire.Refused(413, f"body over the server's limit of {limit} bytes "
+                                        "(--max-body-mb)")
+            chunks.append(chunk)
+    except BaseException:
+        chunks = None
+        raise
+    body, filled = bytearray(total), 0
+    for i, chunk in enumerate(chunks):  # each chunk let go once copied: the body is held once
+        chunks[i] = None
+        body[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return body
+
+
+def make_app(served, token=None, max_body=64 << 20, device="cpu", body_timeout=60.0,
+             max_inflight=None):
+    """The FastAPI application serving `served` ({name: rewards.Reward}) on `device`.
+
+    token: the shared token every request must send (an auth.Secret, or a str checked as one; None:
+    none asked); max_body: bytes a request's body may hold; body_timeout: seconds a body may take
+    to arrive, and at most to wait for room first; max_inflight: bytes of bodies held at once
+    (default 2 × max_body). Serve it with `config` for the limits on connections."""
+    if isinstance(token, str):
+        token = auth.check(token, "the token")
     app = FastAPI(title="MAR-GRPO reward server", docs_url=None, redoc_url=None, openapi_url=None)
-    lock = threading.Lock()  # one batch at a time on the reward models
+    lock = threading.Lock()  # one batch at a time on the reward models, from its JSON to its answer
+    budget = limits.ByteBudget(max_inflight or 2 * max_body)
     log = logging.getLogger("uvicorn.error")
 
     def refuse(request, e):
         client = f"{request.client.host}:{request.client.port}" if request.client else "?"
-        log.warning(f"refused {request.method} {request.url.path} from {client}: {e.status} {e}")
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        said = f"refused {request.method} {request.url.path} from {client}: {e.status} {e}"
+        log.warning(one_line(said, 500))
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 408: {"Connection": "close"}}.get(e.status)
         return JSONResponse({"error": str(e)}, status_code=e.status, headers=headers)
 
     def check_token(request):
@@ -82,23 +133,40 @@ def make_app(served, token=None, max_body=64 << 20, device="cpu"):
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise wire.Refused(401, "missing token: send the header Authorization: Bearer TOKEN")
-        if not hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode()):
+        if not token.matches(given.strip().encode("utf-8", "replace")):
             raise wire.Refused(401, "wrong token")
 
     def answer(body):
-        names, images, prompts, metadata = wire.decode_request(body, served)
-        images = images.to(device)
+        """Decode, score and encode one request's body, one at a time: the JSON's objects and the
+        rewards' float copies of the images exist for one batch at once. Returns a Response, or
+        (status, reason): not raised, so that no traceback keeps the body's frames alive."""
+        try:
+            with lock:
+                names, images, prompts, metadata = wire.decode_request(body, served)
+                del body
+                results = score_batch(names, images.to(device), prompts, metadata)
+                return Response(wire.encode_answer(results), media_type="application/json")
+        except wire.Refused as e:
+            return e.status, str(e)
+
+    def score_batch(names, images, prompts, metadata):
+        """{name: (scores, info)} of the rewards `names` on a decoded batch; Refused(422 / 500)."""
         results = {}
-        with lock:
-            for name in names:
-                try:
-                    results[name] = served[name](images, prompts, metadata)
-                except ValueError as e:  # the reward refuses this input (a prompt or record it cannot read)
-                    raise wire.Refused(422, f"{name}: {first_line(e)}") from None
-                except Exception as e:
-                    log.exception(f"{name} failed")
-                    raise wire.Refused(500, f"{name} failed: {type(e).__name__}: {first_line(e)}") from None
-        return Response(wire.encode_answer(results), media_type="application/json")
+        for name in names:
+            try:
+                results[name] = scores, _ = served[name](images, prompts, metadata)
+            except ValueError as e:  # the reward refuses this input (a prompt or a record)
+                raise wire.Refused(422, one_line(f"{name}: {str(e).strip()}")) from None
+            except Exception as e:
+                at = traceback.extract_tb(e.__traceback__)[-1]
+                failed = f"{name} failed: {type(e).__name__}: {str(e).strip()}"
+                log.error(one_line(f"{failed} (at {at.filename}:{at.lineno} in {at.name})", 1000))
+                raise wire.Refused(500, one_line(failed)) from None
+            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+            if bad:
+                raise wire.Refused(500, f"{name} gave a non-finite score ({float(scores[bad[0]])}) "
+                                        f"to image {bad[0]}")
+        return results
 
     @app.get("/info")
     def info(request: Request):
@@ -110,20 +178,39 @@ def make_app(served, token=None, max_body=64 << 20, device="cpu"):
 
     @app.post("/score")
     async def score(request: Request):
+        taken = 0
         try:
-            check_token(request)  # before the body is read
-            body = await read_body(request, max_body)
-            return await run_in_threadpool(answer, body)
-        except wire.Refused as e:
-            return refuse(request, e)
-        except ClientDisconnect:  # the client went away mid-body: nobody to answer
-            return Response(status_code=400)
+            try:
+                check_token(request)  # on the head: without the token, no room and no body read
+                size = declared_size(request, max_body)
+                if not await budget.take(size, body_timeout):
+                    raise wire.Refused(503, f"busy: {budget.total / 2**20:g} MiB of requests in "
+                                            "memory (--max-inflight-mb); try again")
+                taken = size
+                try:
+                    body = await asyncio.wait_for(read_body(request, size, max_body), body_timeout)
+                except asyncio.TimeoutError:
+                    raise wire.Refused(408, f"the body did not arrive within {body_timeout:g} s "
+                                            "(--body-timeout)") from None
+                done = await run_in_threadpool(answer, body)
+                del body
+                return done if isinstance(done, Response) else refuse(request, wire.Refused(*done))
+            except wire.Refused as e:
+                return refuse(request, e)
+            except ClientDisconnect:  # the client went away mid-body: nobody to answer
+                return Response(status_code=400)
+        finally:  # the room goes back once the body is gone, with any traceback that held it
+            budget.give(taken)
 
     return app
 
 
-def first_line(e):
-    return (str(e).strip().splitlines() or [""])[0]
+def config(app, max_connections=64, header_timeout=10.0, log_level="info"):
+    """The uvicorn.Config serving `app` with the limits on connections of scorers/limits.py:
+    `max_connections` open at once, a whole request head within `header_timeout` seconds."""
+    guard = limits.Guard(max_connections, header_timeout)
+    return uvicorn.Config(app, http=limits.guarded_protocol(guard), log_level=log_level,
+                          access_log=False, timeout_graceful_shutdown=5)
 
 
 # -----------------------------------------------------------------------------
@@ -134,27 +221,8 @@ def is_loopback(host):
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except socket.gaierror as e:
-        raise ValueError(f"--host {host}: {e.strerror}") from None
+        raise ValueError(f"--host {one_line(host)}: {e.strerror}") from None
     return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
-
-
-def read_token(args):
-    """The shared token from --token-file or MARGRPO_REWARD_TOKEN (None if neither), checked."""
-    if args.token_file is not None:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise FileNotFoundError(f"--token-file {args.token_file}: cannot read it ({getattr(e, 'strerror', e)})") from None
-        where = f"--token-file {args.token_file}"
-    else:
-        token, where = os.environ.get(TOKEN_ENV, "").strip(), TOKEN_ENV
-    if not token:
-        return None
-    if len(token) < MIN_TOKEN or not all(33 <= ord(c) < 127 for c in token):
-        raise ValueError(f"{where}: the token must be {MIN_TOKEN} or more printable ASCII characters without spaces "
-                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
-    return token
 
 
 def parse_args(argv=None):
@@ -168,14 +236,26 @@ def parse_args(argv=None):
     a("--token-file", default=None, help=f"a file holding the shared token (default: the {TOKEN_ENV} variable)")
     a("--max-body-mb", type=bounded(float, 1e-3, 1 << 20), default=64.0,
       help="largest request body in MiB (64: ~85 images of 512 px)")
+    a("--max-inflight-mb", type=bounded(float, 1e-3, 1 << 20), default=None,
+      help="MiB of request bodies held at once (default: twice --max-body-mb); more wait for room "
+           "(docs/reward_server.md, 'Memory')")
     a("--max-connections", type=bounded(int, 1, 1 << 16), default=64,
-      help="requests in flight at once; more are answered 503 and the clients retry")
+      help="connections open at once; one more closes the one longest without a request in "
+           "progress, or is answered 503 (its client tries again) if all have one")
+    a("--header-timeout", type=bounded(float, 1e-3, 1 << 20), default=10.0,
+      help="seconds a connection has to send a whole request head, from its opening or its last "
+           "answer")
+    a("--body-timeout", type=bounded(float, 1e-3, 1 << 20), default=60.0,
+      help="seconds a request's body has to arrive once read, and at most to wait for room first")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the reward models run")
     a("--threads", type=bounded(int, 0, 1 << 10), default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.max_inflight_mb is not None and args.max_inflight_mb < args.max_body_mb:
+        raise ValueError(f"--max-inflight-mb {args.max_inflight_mb:g}: under --max-body-mb "
+                         f"{args.max_body_mb:g}, a request of the largest size could never be read")
     if ":" in args.reward:
-        raise ValueError(f"--reward {args.reward}: the server serves rewards by name; the weights are the client's "
-                         "(train.py --reward name:weight)")
+        raise ValueError(f"--reward {one_line(args.reward)}: the server serves rewards by name; "
+                         "the weights are the client's (train.py --reward name:weight)")
     return args
 
 
@@ -195,10 +275,10 @@ def main(argv=None):
     args = parse_args(argv)
     names = [name for name, _ in rewards.parse_reward_spec(args.reward)]
     weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    token = read_token(args)
-    if token is None and not is_loopback(args.host):
-        raise ValueError(f"--host {args.host}: beyond loopback the server needs a shared token "
-                         f"({TOKEN_ENV} or --token-file); every client then sends it")
+    token = auth.read(args.token_file, "--token-file")
+    if not is_loopback(args.host) and token is None:  # also checks that --host resolves
+        raise ValueError(f"--host {one_line(args.host)}: beyond loopback the server needs a shared "
+                         f"token ({TOKEN_ENV} or --token-file); every client then sends it")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
@@ -211,16 +291,17 @@ def main(argv=None):
         sock.bind((args.host, args.port))
         sock.listen(2048)
     except OSError as e:
-        raise ValueError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({e.strerror})") from None
+        raise ValueError(f"--port {args.port}: cannot listen on {one_line(args.host)}:{args.port} "
+                         f"({e.strerror})") from None
     reward = rewards.build_reward(",".join(names), device=device, weights=weights)
     served = {name: fn for name, _, fn in reward.components}
-    app = make_app(served, token, int(args.max_body_mb * (1 << 20)), device)
+    max_body = int(args.max_body_mb * (1 << 20))
+    max_inflight = int(args.max_inflight_mb * (1 << 20)) if args.max_inflight_mb else 2 * max_body
+    app = make_app(served, token, max_body, device, args.body_timeout, max_inflight)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"{READY} {', '.join(served)} on http://{host}:{sock.getsockname()[1]} ({device}; "
           f"{'token required' if token else 'no token, loopback only'}); Ctrl-C stops it", flush=True)
-    config = uvicorn.Config(app, log_level="info", access_log=False, limit_concurrency=args.max_connections,
-                            timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config(app, args.max_connections, args.header_timeout)).run(sockets=[sock])
 
 
 def launch(argv, env=None, log=None):

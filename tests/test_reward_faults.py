@@ -97,8 +97,10 @@ def test_a_server_that_hangs_stops_the_run_in_one_line(shared_server, smoke_base
         t0 = time.time()
         code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "5", "--reward-url", url, "--reward-timeout", "1"))
         assert time.time() - t0 < 60 and code == 1 and "Traceback" not in err, err
-        assert error_lines(err) == [f"error: --reward-url {url}: no answer within 1 s (--reward-timeout): the server hangs "
-                                    "or is overloaded; checkpoints so far are intact, `--resume` continues once the server answers"]
+        assert error_lines(err) == [
+            f"error: --reward-url {url}: no whole answer within 1 s (--reward-timeout): the server "
+            "hangs, trickles or is overloaded; checkpoints so far are intact, `--resume` continues "
+            "once the server answers"]
     finally:
         watcher.join()
         os.kill(proc.pid, signal.SIGCONT)  # and it serves again (the other tests use it)
