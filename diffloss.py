@@ -1,5 +1,13 @@
 """The diffusion head of MAR ("Diffusion Loss"), and the per-element log-probability of its
-sampling transitions (docs/method.md §1, §2, §10).
+sampling transitions (docs/method.md §1, the head's T-step ancestral DDPM written out below;
+§2, ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π; §10, the official respacing: keep
+round(linspace(0, 999, T)) of the 1000 cosine-schedule steps).
+
+Sources: "official" is GitHub `LTH14/mar@fe470ac`: models/diffloss.py (the head) and diffusion/
+(gaussian_diffusion.py and respace.py: the schedule, the reverse step, the training loss).
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`, whose trainers
+src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py choose the
+diffusion steps that train (`trainable_steps`).
 
 A token x ∈ R^C is generated from a condition vector z ∈ R^D by T-step ancestral DDPM sampling
 with a small MLP `SimpleMLPAdaLN` that predicts the noise ε and the interpolation v of the
@@ -8,24 +16,28 @@ learned variance (improved-DDPM "learned range"):
     x^T ~ N(0, I)
     x^{t-1} = μ(x^t, t, z) + τ σ_t(x^t, t, z) ε,     ε ~ N(0, I),  no noise at the last step
     μ = c1_t · x̂0 + c2_t · x^t,   x̂0 = (x^t − √(1−ᾱ_t) ε̂) / √ᾱ_t
-    log σ_t² = (v+1)/2 · log β_t + (1 − (v+1)/2) · log β̃_t          (β̃: posterior variance)
+    log σ_t² = (v+1)/2 · log β_t + (1 − (v+1)/2) · log β̃_t     (β̃: posterior variance)
 
 With classifier-free guidance the net runs on [z_cond; z_null] and only the ε channels are mixed,
 ε̂ = ε_u + w (ε_c − ε_u); the variance channels stay those of the conditional row, as in the
 official code. The policy log-probability of one transition, per element (docs/method.md §2), is
 
-    ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t  (taken from the rollout)
+    ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t
+                                                          (s taken from the rollout)
 
 Where this file departs from what one might expect:
 1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
-   respaced as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), float64 -> float32 buffers.
+   respaced as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), float64 -> float32
+   buffers.
 2. x^T is *not* scaled by τ: the official code scales only the per-step noise (the paper's
-   N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no log-probability.
+   N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no
+   log-probability.
 3. With CFG, `x_t` has the N guided rows and `z` 2N rows [cond; null] (the official first half).
 4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
    RL trains only steps 1 … T−2 (`trainable_steps`).
-5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1] (1/√α ≈ 1300 at the pure-noise step,
-   T = 25: a briefly trained head samples tokens of size ~800); the small (pixel) models clamp.
+5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1] (1/√α ≈ 1300 at the pure-noise
+   step, T = 25: a briefly trained head samples tokens of size ~800); the small (pixel) models
+   clamp.
 """
 
 import math
@@ -51,12 +63,15 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden_size, frequency_embedding_size=256):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size))
         self.frequency_embedding_size = frequency_embedding_size
 
     def forward(self, t):
-        # [cos | sin] of t · 10000^(−k/half): diffusers' function computes the official (DiT) features
-        t_freq = get_timestep_embedding(t, self.frequency_embedding_size, flip_sin_to_cos=True, downscale_freq_shift=0)  # (N, 256)
+        # [cos | sin] of t · 10000^(−k/half): diffusers' function computes the official (DiT)
+        # features
+        t_freq = get_timestep_embedding(t, self.frequency_embedding_size, flip_sin_to_cos=True,
+                                        downscale_freq_shift=0)  # (N, 256)
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
@@ -67,8 +82,10 @@ class ResBlock(nn.Module):
         super().__init__()
         self.channels = channels
         self.in_ln = nn.LayerNorm(channels, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels, bias=True))
+        self.mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(),
+                                 nn.Linear(channels, channels))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(),
+                                              nn.Linear(channels, 3 * channels, bias=True))
 
     def forward(self, x, y):
         shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(y).chunk(3, dim=-1)
@@ -80,7 +97,9 @@ class FinalLayer(nn.Module):
         super().__init__()
         self.norm_final = nn.LayerNorm(model_channels, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(model_channels, out_channels, bias=True)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 2 * model_channels, bias=True))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(),
+                                              nn.Linear(model_channels, 2 * model_channels,
+                                                        bias=True))
 
     def forward(self, x, c):
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
@@ -98,7 +117,8 @@ class SimpleMLPAdaLN(nn.Module):
     def __init__(self, in_channels, model_channels, out_channels, z_channels, num_res_blocks,
                  grad_checkpointing=False):
         super().__init__()
-        self.in_channels, self.model_channels, self.out_channels = in_channels, model_channels, out_channels
+        self.in_channels, self.model_channels, self.out_channels = (
+            in_channels, model_channels, out_channels)
         self.num_res_blocks, self.grad_checkpointing = num_res_blocks, grad_checkpointing
 
         self.time_embed = TimestepEmbedder(model_channels)
@@ -117,17 +137,20 @@ class SimpleMLPAdaLN(nn.Module):
         nn.init.normal_(self.time_embed.mlp[0].weight, std=0.02)
         nn.init.normal_(self.time_embed.mlp[2].weight, std=0.02)
         # adaLN modulations and the output layer start at zero, as in DiT
-        zeroed = [b.adaLN_modulation[-1] for b in self.res_blocks] + [self.final_layer.adaLN_modulation[-1],
-                                                                       self.final_layer.linear]
+        zeroed = [b.adaLN_modulation[-1] for b in self.res_blocks] + [
+            self.final_layer.adaLN_modulation[-1], self.final_layer.linear]
         for p in (p for layer in zeroed for p in layer.parameters()):
             nn.init.constant_(p, 0)
 
     def forward(self, x, t, c):
         x = self.input_proj(x)
-        # a 0-dim t (sampling: one step for all rows) runs the time MLP once; no host sync either way
-        y = self.time_embed(t.reshape(-1)) + self.cond_embed(c)  # (N, W), or (1, W) broadcast + (N, W)
+        # a 0-dim t (sampling: one step for all rows) runs the time MLP once; no host sync
+        # either way
+        # (N, W), or (1, W) broadcast + (N, W)
+        y = self.time_embed(t.reshape(-1)) + self.cond_embed(c)
         for block in self.res_blocks:
-            x = checkpoint(block, x, y, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x, y)
+            x = (checkpoint(block, x, y, use_reentrant=False)
+                 if self.grad_checkpointing and torch.is_grad_enabled() else block(x, y))
         return self.final_layer(x, y)
 
 
@@ -137,8 +160,9 @@ class SimpleMLPAdaLN(nn.Module):
 def respaced_timesteps(num_sampling_steps, num_train_timesteps=1000):
     """The original timesteps kept by the sampler, ascending: diffusers' "linspace" spacing,
     round(linspace(0, 999, T)), which is the official `space_timesteps(1000, "T")`."""
-    scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule="squaredcos_cap_v2",
-                              variance_type="learned_range", timestep_spacing="linspace", clip_sample=False)
+    scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps,
+                              beta_schedule="squaredcos_cap_v2", variance_type="learned_range",
+                              timestep_spacing="linspace", clip_sample=False)
     scheduler.set_timesteps(int(num_sampling_steps))
     return scheduler.timesteps.flip(0).long(), scheduler.betas.double()
 
@@ -146,9 +170,10 @@ def respaced_timesteps(num_sampling_steps, num_train_timesteps=1000):
 class GaussianSchedule(nn.Module):
     """Arrays of a (respaced) DDPM schedule, indexed by step k = 0 … K−1, as float32 buffers.
 
-    `timesteps[k]` is the original timestep fed to the net. All other arrays follow improved-DDPM:
-    β_k = 1 − ᾱ_k / ᾱ_{k−1} over the kept steps, posterior q(x_{k−1} | x_k, x0) coefficients and
-    its variance β̃_k (log clipped at k = 0 to β̃_1, as the official code does).
+    `timesteps[k]` is the original timestep fed to the net. All other arrays follow
+    improved-DDPM: β_k = 1 − ᾱ_k / ᾱ_{k−1} over the kept steps, posterior
+    q(x_{k−1} | x_k, x0) coefficients and its variance β̃_k (log clipped at k = 0 to β̃_1, as
+    the official code does).
     """
 
     def __init__(self, num_steps, num_train_timesteps=1000):
@@ -159,21 +184,26 @@ class GaussianSchedule(nn.Module):
         alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
         betas = 1.0 - alphas_cumprod / alphas_cumprod_prev
         posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
-        clipped = torch.cat([posterior_variance[1:2], posterior_variance[1:]]) if len(betas) > 1 else betas
+        clipped = (torch.cat([posterior_variance[1:2], posterior_variance[1:]]) if len(betas) > 1
+                   else betas)
         arrays = dict(betas=betas, log_betas=torch.log(betas), alphas_cumprod=alphas_cumprod,
-                      sqrt_alphas_cumprod=alphas_cumprod.sqrt(), sqrt_one_minus_alphas_cumprod=(1.0 - alphas_cumprod).sqrt(),
+                      sqrt_alphas_cumprod=alphas_cumprod.sqrt(),
+                      sqrt_one_minus_alphas_cumprod=(1.0 - alphas_cumprod).sqrt(),
                       sqrt_recip_alphas_cumprod=(1.0 / alphas_cumprod).sqrt(),
                       sqrt_recipm1_alphas_cumprod=(1.0 / alphas_cumprod - 1.0).sqrt(),
                       posterior_log_variance_clipped=torch.log(clipped),
-                      posterior_mean_coef1=betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
-                      posterior_mean_coef2=(1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod))
+                      posterior_mean_coef1=(betas * alphas_cumprod_prev.sqrt()
+                                            / (1.0 - alphas_cumprod)),
+                      posterior_mean_coef2=((1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt()
+                                            / (1.0 - alphas_cumprod)))
         self.num_steps = len(timesteps)
         self.register_buffer("timesteps", timesteps, persistent=False)
         for name, value in arrays.items():
             self.register_buffer(name, value.float(), persistent=False)
 
     def q_posterior(self, x0, x_t, k):
-        """Mean and clipped log-variance of q(x_{k−1} | x_k, x0). x0, x_t: (N, C); k: (N,) or int."""
+        """Mean and clipped log-variance of q(x_{k−1} | x_k, x0). x0, x_t: (N, C); k: (N,) or
+        int."""
         mean = self.posterior_mean_coef1[k, None] * x0 + self.posterior_mean_coef2[k, None] * x_t
         return mean, self.posterior_log_variance_clipped[k, None].expand_as(x_t)
 
@@ -181,8 +211,10 @@ class GaussianSchedule(nn.Module):
         """Model mean, log-variance and x̂0 from the net's ε̂ and v. All (N, C); k: (N,) or int.
         clip_denoised clamps x̂0 to [-1, 1] before it enters the mean (for pixel tokens)."""
         frac = (v + 1) / 2
-        log_variance = frac * self.log_betas[k, None] + (1 - frac) * self.posterior_log_variance_clipped[k, None]
-        pred_x0 = self.sqrt_recip_alphas_cumprod[k, None] * x_t - self.sqrt_recipm1_alphas_cumprod[k, None] * eps
+        log_variance = (frac * self.log_betas[k, None]
+                        + (1 - frac) * self.posterior_log_variance_clipped[k, None])
+        pred_x0 = (self.sqrt_recip_alphas_cumprod[k, None] * x_t
+                   - self.sqrt_recipm1_alphas_cumprod[k, None] * eps)
         if clip_denoised:
             pred_x0 = pred_x0.clamp(-1, 1)
         mean, _ = self.q_posterior(pred_x0, x_t, k)
@@ -210,11 +242,13 @@ def discretized_gaussian_log_likelihood(x, means, log_scales):
     log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
     log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
     log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
-    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+    return torch.where(x < -0.999, log_cdf_plus,
+                       torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
 # -----------------------------------------------------------------------------
-# The policy's per-element transition log-probability (docs/method.md §2)
+# The policy's per-element transition log-probability (docs/method.md §2:
+# ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π)
 
 def transition_logprob(x_prev, mean, std):
     """ℓ = −(x_prev − μ)² / (2 s²) − log s − ½ log 2π, elementwise, no reduction.
@@ -226,11 +260,13 @@ def transition_logprob(x_prev, mean, std):
 
 
 def trainable_steps(num_steps):
-    """Sampling steps k whose transitions RL may train: 1 … T−2. k = 0 adds no noise (no density).
-    k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the
-    cosine schedule's β cap of 0.999), so float32 rounding of ε̂ (~1e-7, batch-layout dependent)
-    moves μ by ~1e-3 σ: its ℓ cannot be recomputed reproducibly (the parity of docs/method.md §2
-    fails). The released trainers record every step; this one is left out."""
+    """Sampling steps k whose transitions RL may train: 1 … T−2. k = 0 adds no noise (no
+    density). k = T−1 leaves pure noise: its mean is x/√α − (…)ε̂ with
+    α = ᾱ_999/ᾱ_{t_{T−2}} ≈ 1e-7 (the cosine schedule's β cap of 0.999), so float32
+    rounding of ε̂ (~1e-7, batch-layout dependent) moves μ by ~1e-3 σ: its ℓ cannot be
+    recomputed reproducibly (the parity of docs/method.md §2, recomputed
+    ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π equal to the recorded one, fails). The
+    released trainers record every step; this one is left out."""
     return range(1, num_steps - 1)
 
 
@@ -242,22 +278,26 @@ class DiffLoss(nn.Module):
 
     target_channels: C, the token size; z_channels: D; depth/width: the MLP's residual blocks
     and width; num_sampling_steps: T (int or the official string, e.g. "100");
-    clip_denoised: clamp x̂0 to [-1, 1] when sampling (VAE latents: no, as official; pixel tokens: yes).
+    clip_denoised: clamp x̂0 to [-1, 1] when sampling (VAE latents: no, as official; pixel
+    tokens: yes).
     """
 
-    def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps, grad_checkpointing=False,
-                 clip_denoised=False):
+    def __init__(self, target_channels, z_channels, depth, width, num_sampling_steps,
+                 grad_checkpointing=False, clip_denoised=False):
         super().__init__()
         self.in_channels, self.clip_denoised = target_channels, clip_denoised
-        self.net = SimpleMLPAdaLN(in_channels=target_channels, model_channels=width, z_channels=z_channels,
-                                  out_channels=target_channels * 2,  # ε and the variance interpolation v
+        self.net = SimpleMLPAdaLN(in_channels=target_channels, model_channels=width,
+                                  z_channels=z_channels,
+                                  # ε and the variance interpolation v
+                                  out_channels=target_channels * 2,
                                   num_res_blocks=depth, grad_checkpointing=grad_checkpointing)
         self.train_schedule = GaussianSchedule(1000)
         self.gen_schedule = GaussianSchedule(int(num_sampling_steps))
 
     num_sampling_steps = property(lambda self: self.gen_schedule.num_steps)
 
-    def trainable_steps(self):  # the sampling steps RL may train (the policy interface; `trainable_steps`)
+    # the sampling steps RL may train (the policy interface; `trainable_steps`)
+    def trainable_steps(self):
         return trainable_steps(self.num_sampling_steps)
 
     def forward(self, target, z, mask=None, generator=None):
@@ -269,15 +309,18 @@ class DiffLoss(nn.Module):
         sched = self.train_schedule
         n, c = target.shape
         t = torch.randint(0, sched.num_steps, (n,), device=target.device, generator=generator)
-        noise = torch.randn(target.shape, device=target.device, dtype=target.dtype, generator=generator)
-        x_t = sched.sqrt_alphas_cumprod[t, None] * target + sched.sqrt_one_minus_alphas_cumprod[t, None] * noise
+        noise = torch.randn(target.shape, device=target.device, dtype=target.dtype,
+                            generator=generator)
+        x_t = (sched.sqrt_alphas_cumprod[t, None] * target
+               + sched.sqrt_one_minus_alphas_cumprod[t, None] * noise)
         eps, v = self.net(x_t, sched.timesteps[t], z).split(c, dim=1)  # (N, C) each
         mse = ((noise - eps) ** 2).mean(dim=1)
         # the variance is trained through the bound only; ε̂ is frozen there (improved DDPM)
         mean, log_variance, _ = sched.p_mean_variance(eps.detach(), v, x_t, t)
         true_mean, true_log_variance = sched.q_posterior(target, x_t, t)
         kl = normal_kl(true_mean, true_log_variance, mean, log_variance).mean(dim=1) / math.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(target, mean, 0.5 * log_variance).mean(dim=1) / math.log(2.0)
+        nll = (-discretized_gaussian_log_likelihood(target, mean, 0.5 * log_variance).mean(dim=1)
+               / math.log(2.0))
         loss = mse + torch.where(t == 0, nll, kl)  # (N,)
         if mask is not None:
             return (loss * mask).sum() / mask.sum()
@@ -320,7 +363,8 @@ class DiffLoss(nn.Module):
         return k > 0
 
     def sample(self, z, temperature=1.0, cfg=1.0, generator=None, record_steps=None):
-        """Ancestral sampling of tokens from conditions (docs/method.md §1): `reverse_sample` with this head."""
+        """Ancestral sampling of tokens from conditions (docs/method.md §1: x^T ~ N(0, I),
+        x^{t−1} = μ + τ σ_t ε): `reverse_sample` with this head."""
         return reverse_sample(self, z, self.in_channels, temperature, cfg, generator, record_steps)
 
 
@@ -332,9 +376,11 @@ def step_list(steps):  # sampling-step indices as Python ints (one host sync if 
 
 
 @torch.no_grad()
-def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, record_steps=None, x_T=None, noise=None):
+def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, record_steps=None,
+                   x_T=None, noise=None):
     """Ancestral sampling from step T−1 down to 0 with any head that has `p_mean_variance(x_t, k,
-    z, cfg)`, `noisy(k)`, `trainable_steps()` and `num_sampling_steps`, recording chosen transitions.
+    z, cfg)`, `noisy(k)`, `trainable_steps()` and `num_sampling_steps`, recording chosen
+    transitions.
 
     z: (N, D), or (2N, D) = [cond; null] when guided (cfg a tensor or cfg != 1; the official layout:
        the two halves share their noise); channels: C, the token size; temperature: τ scales each
@@ -352,15 +398,18 @@ def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, 
     z = z.float()  # the head samples in fp32, also under bf16 autocast
     record = {} if record_steps is None else dict.fromkeys(step_list(record_steps))
     if any(k not in head.trainable_steps() for k in record):
-        raise ValueError(f"record_steps must lie in {head.trainable_steps()} (see trainable_steps); got {sorted(record)}")
-    x = torch.randn(n, channels, device=z.device, dtype=z.dtype, generator=generator) if x_T is None else x_T
+        raise ValueError(f"record_steps must lie in {head.trainable_steps()} "
+                         f"(see trainable_steps); got {sorted(record)}")
+    x = (torch.randn(n, channels, device=z.device, dtype=z.dtype, generator=generator)
+         if x_T is None else x_T)
     for k in range(head.num_sampling_steps - 1, -1, -1):
         mean, log_variance, _ = head.p_mean_variance(x, k, z, cfg)
         if not head.noisy(k):  # DDPM's last step adds no noise
             x_prev = mean
         else:
             std = temperature * torch.exp(0.5 * log_variance)
-            eps = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator) if noise is None else noise[k]
+            eps = (torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=generator)
+                   if noise is None else noise[k])
             x_prev = mean + std * eps
             if k in record:
                 record[k] = (x, x_prev, std, transition_logprob(x_prev, mean, std))
@@ -382,7 +431,8 @@ def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
       recomputed in the backward pass (torch.utils.checkpoint), so a trained AR step holds one head
       graph at a time instead of K (S × K with MTE); same values and gradients, two forwards.
     returns μ: (K, *rows, C). One call per diffusion step with an int step, as the sampler makes
-    it: the same arithmetic, so recomputed and recorded ℓ agree to float rounding (docs/method.md §2).
+    it: the same arithmetic, so recomputed and recorded ℓ agree to float rounding
+    (docs/method.md §2: ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π).
     """
     K, C = x_t.shape[0], x_t.shape[-1]
     n = x_t[0, ..., 0].numel()  # rows per diffusion step
@@ -394,6 +444,7 @@ def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
     def mean_at(x, rows, k):
         return head.p_mean_variance(x, k, rows, w)[0]
     store = checkpoint_head and torch.is_grad_enabled()
-    mean = [checkpoint(mean_at, x_t[j].reshape(n, C), z_rows, steps[j], use_reentrant=False, preserve_rng_state=False)
+    mean = [checkpoint(mean_at, x_t[j].reshape(n, C), z_rows, steps[j], use_reentrant=False,
+                       preserve_rng_state=False)
             if store else mean_at(x_t[j].reshape(n, C), z_rows, steps[j]) for j in range(K)]
     return torch.stack(mean).reshape(x_t.shape)

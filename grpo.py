@@ -1,7 +1,16 @@
-"""The GRPO loss of MAR-GRPO, whole (docs/method.md §2–§7): advantages, the ratio and its
-surrogate, the KL choices, the per-AR-step objective, and `ar_step_loss`, which recomputes z under
-the policy for a recorded AR step and forms −(P_i − β KL_i) from the method files (diffloss.py,
-mte.py, masks.py). It calls only the policy interface of mar.MaskedAR (MAR, Harmon and NOVA alike).
+"""The GRPO loss of MAR-GRPO, whole (docs/method.md §2–§7: §2
+ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π, §3 what a rollout records, §4
+M_unc = top-k% by u_p = mean_c std_s x0, §5 W = U_i ∧ (1[Δsim > κ] ∨ P_i), §6
+L = −mean_i (P_i − β KL_i), §7 the variants grpo, grpo-fixed-head, mar-grpo): advantages, the
+ratio and its surrogate, the KL choices, the per-AR-step objective, and `ar_step_loss`, which
+recomputes z under the policy for a recorded AR step and forms −(P_i − β KL_i) from the method
+files (diffloss.py, mte.py, masks.py). It calls only the policy interface of mar.MaskedAR (MAR,
+Harmon and NOVA alike).
+
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trainers
+src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py (rewards,
+advantages, ratios, KL, masks and loss) and the runs' settings in
+scripts/debug_entry_{nova,harmon,nova_mix}.py.
 
 For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
 
@@ -16,34 +25,37 @@ What the paper says, what the released code does, and what this file does:
 1. Advantages. Released: (r − mean) / (std + 1e-4) over the G images of a prompt, with torch's
    default (Bessel-corrected) std. This file: the same; a group whose rewards are all equal gets
    exactly zero advantage (its numerator is zero), never NaN; G = 1 is rejected (no group).
-2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping. This file:
-   ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is exactly the released
-   objective (value and gradient), and E > 1 is PPO with ratio clipping `--clip-eps`.
-3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between the
-   transition Gaussians). This file: the exact KL (μ_θ − μ_ref)² / (2 s²) by default ("gaussian"),
-   with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
+2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping.
+   This file: ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is
+   exactly the released objective (value and gradient), and E > 1 is PPO with ratio clipping
+   `--clip-eps`.
+3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between
+   the transition Gaussians). This file: the exact KL (μ_θ − μ_ref)² / (2 s²) by default
+   ("gaussian"), with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
 4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
    its KL by its unknown elements, and each step is backpropagated on its own. Released: the
    per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
-   is their mean). This file: L = −mean_i(…) as docs/method.md §6 writes it (train.py divides each
-   step's loss by their number): the same direction, 1/#steps the size before clipping.
-5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This file:
-   drawn before the rollout from a seeded generator, diffusion steps from `trainable_steps`
-   (never the pure-noise step; see diffloss.py).
+   is their mean). This file: L = −mean_i (P_i − β KL_i) as docs/method.md §6 writes it
+   (train.py divides each step's loss by their number): the same direction, 1/#steps the size
+   before clipping.
+5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This
+   file: drawn before the rollout from a seeded generator, diffusion steps from
+   `trainable_steps` (never the pure-noise step; see diffloss.py).
 6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
-   step (docs/method.md §5). But only P_i is written into the image at step i; on U_i outside P_i the head's
-   samples are previews that are thrown away and drawn again later, so for grpo and
-   grpo-fixed-head their term has zero mean whatever the reward (pure variance), and under the
-   consistency mask it becomes a reward-weighted pull of z_i toward the final tokens. This file: the
-   released W by default; `--policy-positions predicted` keeps W = P_i, the policy gradient of
-   the trajectory that made the image.
+   step (docs/method.md §5, W = U_i ∧ (1[Δsim > κ] ∨ P_i)). But only P_i is written into
+   the image at step i; on U_i outside P_i the head's samples are previews that are thrown away
+   and drawn again later, so for grpo and grpo-fixed-head their term has zero mean whatever the
+   reward (pure variance), and under the consistency mask it becomes a reward-weighted pull of
+   z_i toward the final tokens. This file: the released W by default; `--policy-positions
+   predicted` keeps W = P_i, the policy gradient of the trajectory that made the image.
 7. Recomputing ℓ. The transformer runs in eval mode (no dropout, no condition drop) with
-   gradients, so the recomputed ℓ of a fresh rollout equals the recorded one (docs/method.md §2)
-   and the first inner epoch has ρ ≡ 1 exactly. `--train-cfg rollout` (default) recomputes μ with
-   the rollout's guidance (z of the condition and of the null condition, mixed with the step's
-   w); `--train-cfg 1` recomputes from the conditional z alone, as the released Harmon trainer does
-   although it sampled with guidance (then ℓ no longer matches the recorded value). The reference
-   policy of the KL runs the same computation without gradients.
+   gradients, so the recomputed ℓ of a fresh rollout equals the recorded one
+   (docs/method.md §2, ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π) and the first inner
+   epoch has ρ ≡ 1 exactly. `--train-cfg rollout` (default) recomputes μ with the rollout's
+   guidance (z of the condition and of the null condition, mixed with the step's w);
+   `--train-cfg 1` recomputes from the conditional z alone, as the released Harmon trainer does
+   although it sampled with guidance (then ℓ no longer matches the recorded value). The
+   reference policy of the KL runs the same computation without gradients.
 8. MTE terms are evaluated only at the uncertain unknown positions, so their cost scales with k%,
    not with L (mte.trajectory_logprobs). `--mte-positions predicted` restricts them to the tokens
    written at this step, P_i, the only positions whose z_final is this step's z_i; on U_i outside
@@ -62,7 +74,9 @@ from diffloss import transition_logprob, transition_mean
 
 @dataclass
 class GRPOSettings:
-    """Everything the objective needs to know; `METHODS` name the paper's variants (docs/method.md §7)."""
+    """Everything the objective needs to know; `METHODS` name the paper's variants
+    (docs/method.md §7: grpo trains the head, grpo-fixed-head freezes it, mar-grpo adds MTE and
+    the consistency mask)."""
     beta: float = 0.01            # KL weight β
     kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"
     clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
@@ -70,8 +84,10 @@ class GRPOSettings:
     train_head: bool = False      # does the diffusion head get gradients?
     mte_trajectories: int = 0     # S; 0 = no multi-trajectory expectation
     top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
-    mte_positions: str = "unknown"  # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
-    consistency_threshold: float | None = 0.0  # κ of the consistency mask; None = no consistency mask
+    # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
+    mte_positions: str = "unknown"
+    # κ of the consistency mask; None = no consistency mask
+    consistency_threshold: float | None = 0.0
     policy_positions: str = "unknown"  # policy term on U_i (released) or on P_i only ("predicted")
     train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
 
@@ -80,14 +96,16 @@ class GRPOSettings:
         if self.kl not in KL_KINDS:
             raise ValueError(f"--kl {self.kl!r}: choose from {', '.join(KL_KINDS)}")
         if self.mte_trajectories == 1 or self.mte_trajectories < 0:
-            raise ValueError(f"--mte-trajectories {self.mte_trajectories}: MTE needs S >= 2 trajectories (0 turns it off)")
+            raise ValueError(f"--mte-trajectories {self.mte_trajectories}: MTE needs S >= 2 "
+                             "trajectories (0 turns it off)")
         if self.mte_trajectories >= 2 and not 0 < self.top_k <= 1:
             raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
         if self.inner_epochs < 1:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
         for name in ("mte_positions", "policy_positions"):
             if getattr(self, name) not in ("unknown", "predicted"):
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose 'unknown' or 'predicted'")
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: "
+                                 "choose 'unknown' or 'predicted'")
         if self.train_cfg not in ("rollout", "1"):
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:
@@ -95,7 +113,9 @@ class GRPOSettings:
         return self
 
 
-# the variants the paper compares (docs/method.md §7); every field can still be overridden by its flag
+# the variants the paper compares (docs/method.md §7: grpo trains the head, grpo-fixed-head
+# freezes it, mar-grpo adds MTE and the consistency mask); every field can still be overridden
+# by its flag
 METHODS = {
     "grpo": dict(train_head=True, mte_trajectories=0, consistency_threshold=None),
     "grpo-fixed-head": dict(train_head=False, mte_trajectories=0, consistency_threshold=None),
@@ -104,13 +124,15 @@ METHODS = {
 
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_b = (r_b − mean_group r) / (std_group r + eps), groups of `group_size` consecutive images.
+    """A_b = (r_b − mean_group r) / (std_group r + eps), groups of `group_size` consecutive
+    images.
 
     rewards: (B,) with B = (#prompts) × G, each prompt's G images adjacent
     returns (B,) advantages
     """
     if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"group size {group_size} must be >= 2 and divide the batch of {rewards.numel()}")
+        raise ValueError(f"group size {group_size} must be >= 2 and divide the batch of "
+                         f"{rewards.numel()}")
     r = rewards.reshape(-1, group_size)  # (#prompts, G)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)
@@ -123,8 +145,8 @@ def min_max_combined(components, weights, group_size, eps=1e-8):
 
     a component constant over a group (range < eps) counting 0 there: the released trainers'
     `normalize_multi_rewards` (off in the released runs), over the batch each process scores,
-    which there is one group; per group in this function, so that a reward does not depend on the world size
-    or --grad-accum.
+    which there is one group; per group in this function, so that a reward does not depend on
+    the world size or --grad-accum.
 
     components: {name: (B,)}; weights: {name: w}; returns (B,)
     """
@@ -138,7 +160,8 @@ def min_max_combined(components, weights, group_size, eps=1e-8):
 
 
 def policy_surrogate(logp, logp_old, adv, clip_eps=None):
-    """Per-element PPO surrogate to maximise: min(ρ A, clip(ρ, 1−ε, 1+ε) A), ρ = exp(ℓ − ℓ_old).
+    """Per-element PPO surrogate to maximise: min(ρ A, clip(ρ, 1−ε, 1+ε) A),
+    ρ = exp(ℓ − ℓ_old).
 
     logp: (...) ℓ_θ with gradient; logp_old: (...) detached, broadcastable; adv: broadcastable
     (e.g. (1, B, 1, 1)); clip_eps: None for the unclipped ρ A.
@@ -152,18 +175,21 @@ def policy_surrogate(logp, logp_old, adv, clip_eps=None):
 
 
 def kl_gaussian(mean, mean_ref, std):
-    """(μ_θ − μ_ref)² / (2 s²): the exact KL of N(μ_θ, s²) from N(μ_ref, s²), per element."""
+    """(μ_θ − μ_ref)² / (2 s²): the exact KL of N(μ_θ, s²) from N(μ_ref, s²), per
+    element."""
     return (mean - mean_ref) ** 2 / (2 * std ** 2)
 
 
 def kl_k3(logp, logp_ref):
-    """e^{ℓ_ref − ℓ_θ} − (ℓ_ref − ℓ_θ) − 1 at the recorded x^{t−1}: the GRPO estimator, per element."""
+    """e^{ℓ_ref − ℓ_θ} − (ℓ_ref − ℓ_θ) − 1 at the recorded x^{t−1}: the GRPO
+    estimator, per element."""
     d = logp_ref - logp
     return torch.exp(d) - d - 1
 
 
 def kl_mean_k3(mean, mean_ref):
-    """e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ: the released code's term (not a KL of the Gaussians)."""
+    """e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ: the released code's term (not a KL of
+    the Gaussians)."""
     d = mean_ref - mean
     return torch.exp(d) - d - 1
 
@@ -172,7 +198,8 @@ KL_KINDS = ("gaussian", "k3", "mean-k3")
 
 
 def kl_term(kind, mean, mean_ref, std, logp=None, logp_ref=None):
-    """The per-element KL penalty of docs/method.md §6 named by --kl; all inputs of one shape, returns it."""
+    """The per-element KL penalty of docs/method.md §6 (the KL_i of
+    L = −mean_i (P_i − β KL_i)) named by --kl; all inputs of one shape, returns it."""
     if kind == "gaussian":
         return kl_gaussian(mean, mean_ref, std)
     if kind == "k3":
@@ -205,12 +232,13 @@ def ar_step_objective(pi_term, keep, kl, beta):
 
 
 def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0):
-    """Which AR steps and diffusion steps a rollout records (docs/method.md §3), before it starts.
+    """Which AR steps and diffusion steps a rollout records (docs/method.md §3: per chosen AR
+    step the canvas, U_i, P_i, the head's transitions on U_i and the previews), before it starts.
 
     num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
     diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them; below: if > 0,
-    the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not in the paper: the first
-    steps, which place the objects; 0 draws from all N, as released).
+    the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not in the paper: the
+    first steps, which place the objects; 0 draws from all N, as released).
     returns (sorted list of AR steps, descending list of diffusion steps); the draws happen on the
     generator's device (a CUDA generator works), and reading them back is one host sync.
     """
@@ -220,7 +248,8 @@ def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0
     trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
-    pick = torch.randperm(len(trainable), generator=generator, device=device)[:min(num_diff, len(trainable))]
+    pick = torch.randperm(len(trainable), generator=generator,
+                          device=device)[:min(num_diff, len(trainable))]
     both = torch.cat([ar, trainable[pick].sort(descending=True).values]).tolist()
     return both[:len(ar)], both[len(ar):]
 
@@ -238,12 +267,14 @@ def recompute_z(model, step, inputs, guided):
     cond = model.condition(**inputs)
     if guided:
         cond = model.with_null(cond)  # [cond; null]
-    z = model.guided_z(step.tokens, step.unknown.to(step.tokens.dtype), cond, guided)  # (B or 2B, L, D)
+    # (B or 2B, L, D)
+    z = model.guided_z(step.tokens, step.unknown.to(step.tokens.dtype), cond, guided)
     B, idx = step.tokens.shape[0], step.unk_idx[..., None].expand(-1, -1, z.shape[-1])  # (B, n, D)
     return z[:B].gather(1, idx), (z[B:].gather(1, idx) if guided else None)
 
 
-def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None, uncertain=None, old=None):
+def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None,
+                 uncertain=None, old=None):
     """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (`ar_step_objective`).
 
     model / ref_model: the policy and the frozen reference (mar.MaskedAR); record: a
@@ -251,7 +282,8 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     adv: (B,) advantages; settings: GRPOSettings (the guidance w is the step's own);
     trajectories: MTE trajectories from `mte.sample_trajectories` (or None); uncertain: (B, L) bool
     M_unc (or None); old: this step's ℓ_old from the first inner epoch (None in the first epoch).
-    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later epochs)
+    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later
+    epochs)
     """
     step = record.steps[j]
     guided = record.z_final_null is not None and settings.train_cfg == "rollout"
@@ -272,9 +304,11 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     # multi-trajectory expectation on the uncertain unknown positions (mte.py)
     if trajectories is not None:
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
-        if settings.mte_positions == "predicted":  # only where the trajectories' z_final is this step's z_i
+        # only where the trajectories' z_final is this step's z_i
+        if settings.mte_positions == "predicted":
             unc = unc & pred
-        logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)  # (S, K, B, n, C)
+        # (S, K, B, n, C)
+        logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)
         logp_s_old = logp_s.detach() if old is None else old["logp_traj"]
         term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
@@ -282,7 +316,8 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         stats["uncertain_frac"] = unc.float().mean()
 
     # consistency-aware token selection: W on the unknown positions
-    keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown, step.pred,
+    keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,
+                                  step.pred,
                                   settings.consistency_threshold).gather(1, step.unk_idx)  # (B, n)
     if settings.policy_positions == "predicted":  # only the tokens this step wrote into the image
         keep = keep & pred
@@ -293,12 +328,14 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     if settings.beta > 0:
         with torch.no_grad():
             z_ref, z_ref_null = recompute_z(ref_model, step, inputs, guided)
-            mean_ref = transition_mean(ref_model.diffloss, step.x_t, step.diff_steps, z_ref, z_ref_null, w)
+            mean_ref = transition_mean(ref_model.diffloss, step.x_t, step.diff_steps, z_ref,
+                                       z_ref_null, w)
             logp_ref = transition_logprob(step.x_prev, mean_ref, step.std)
         kl = kl_term(settings.kl, mean, mean_ref, step.std, logp, logp_ref)
 
     loss, p, k = ar_step_objective(pi_term, keep, kl, settings.beta)
-    stats.update(policy_term=p.detach(), kl=k.detach(), ratio_max_dev=(ratio.detach() - 1).abs().max())
+    stats.update(policy_term=p.detach(), kl=k.detach(),
+                 ratio_max_dev=(ratio.detach() - 1).abs().max())
     if clip is not None:
         stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
     return loss, stats, new_old

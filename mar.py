@@ -1,4 +1,13 @@
-"""MAR: masked autoregressive image generation with a diffusion head (docs/method.md §1, §3, §10).
+"""MAR: masked autoregressive image generation with a diffusion head (docs/method.md §1, MAR's
+loop: at AR step i, z = f_θ(known canvas, condition) and the head writes P_i ⊆ U_i by T-step
+DDPM; §3, what a rollout records: per chosen AR step the canvas, U_i, P_i, the head's transitions
+on U_i and the previews x̂0^(i), x̂0^(i−1); §10, the official MAR interfaces: checkpoints, the
+KL-16 VAE, the respaced schedule).
+
+Sources: "official" is GitHub `LTH14/mar@fe470ac`, models/mar.py (the head sizes: the main_mar.py
+commands of its README.md). "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`:
+Harmon's MAR in src/grpo/src/harmon/mar.py, NOVA in src/grpo/src/diffnext/ (orders:
+models/embeddings.py; generation loop: models/transformers/transformer_3d.py).
 
 The model is the official one (Li et al. 2024, GitHub LTH14/mar), with the same module names,
 so official checkpoints load with `strict=True`: tokens x (B, L, C_tok) are patches of a latent
@@ -46,8 +55,9 @@ def unknown_after_step(step, num_iter, seq_len, num_unknown):
 
 
 def random_orders(bsz, seq_len, device, generator=None):
-    """(B, L) generation orders, one random permutation of 0 … L−1 per row: the argsort of uniform
-    noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all draw theirs with it)."""
+    """(B, L) generation orders, one random permutation of 0 … L−1 per row: the argsort of
+    uniform noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all draw theirs
+    with it)."""
     return torch.argsort(torch.rand(bsz, seq_len, device=device, generator=generator), dim=1)
 
 
@@ -72,14 +82,18 @@ class MaskedAR:
     """The generation loop of the MAR family (MAR, Harmon and NOVA inherit it), over the policy
     interface each of them implements:
 
-        condition(**inputs) -> cond              batch-first tensor or dict of tensors; `inputs` are a
-                                                 batch's raw condition inputs (MAR: prompt_ids or labels;
-                                                 Harmon: input_ids, attention_mask; NOVA: prompt_embeds)
+        condition(**inputs) -> cond              batch-first tensor or dict of tensors; `inputs`
+                                                 are a batch's raw condition inputs (MAR:
+                                                 prompt_ids or labels; Harmon: input_ids,
+                                                 attention_mask; NOVA: prompt_embeds)
         null_condition_like(cond) -> cond_null   the classifier-free-guidance null, same structure
-        predict_z(tokens, mask, cond) -> z       tokens (B, L, C), mask (B, L) float 1 = unknown, z (B, L, D)
-        diffloss                                 the head: p_mean_variance, sample, trainable_steps()
+        predict_z(tokens, mask, cond) -> z       tokens (B, L, C), mask (B, L) float 1 = unknown,
+                                                 z (B, L, D)
+        diffloss                                 the head: p_mean_variance, sample,
+                                                 trainable_steps()
         sample_orders(bsz, generator), seq_len, token_embed_dim, patchify, unpatchify
-        grad_checkpointing                       settable: the transformer's blocks recomputed in the backward pass
+        grad_checkpointing                       settable: the transformer's blocks recomputed in
+                                                 the backward pass
     """
 
     def ar_schedule(self, num_iter, seq_len):
@@ -98,21 +112,24 @@ class MaskedAR:
 
     def guided_z(self, tokens, mask, cond, guided):
         """z of a canvas for the head: (B, L, D), or with guidance (2B, L, D) = the canvas under
-        [cond; null] (cond from `with_null`) in one batched pass. tokens (B, L, C); mask (B, L) float."""
+        [cond; null] (cond from `with_null`) in one batched pass. tokens (B, L, C); mask (B, L)
+        float."""
         if guided:
-            tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])  # (2B, L, C), (2B, L)
+            # (2B, L, C), (2B, L)
+            tokens, mask = torch.cat([tokens, tokens]), torch.cat([mask, mask])
         return self.predict_z(tokens, mask, cond).float()
 
     @torch.no_grad()
-    def generate(self, cond, orders, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0, generator=None,
-                 observer=None, progress=False):
+    def generate(self, cond, orders, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0,
+                 generator=None, observer=None, progress=False):
         """Generate tokens: at AR step i, z of the canvas, then the head writes the next
         `ar_schedule` tokens of each order (from its end, as MAR): P_i ⊆ U_i.
 
         cond: a batch's condition; orders: (B, L); num_iter: N; cfg: guidance w (rows doubled with
         the null condition when w != 1); cfg_schedule: "linear" | "constant"; temperature: τ;
-        observer: None, or rollout.Recorder: `wants(i)` -> (all_unknown: the head samples all of U_i,
-          not only P_i; record_steps: its diffusion steps to record, or None), `saw(i, ...)` the step.
+        observer: None, or rollout.Recorder: `wants(i)` -> (all_unknown: the head samples all of
+          U_i, not only P_i; record_steps: its diffusion steps to record, or None), `saw(i, ...)`
+          the step.
         returns tokens (B, L, C)
         """
         guided = cfg != 1.0
@@ -129,20 +146,27 @@ class MaskedAR:
             z = self.guided_z(tokens, unknown.to(tokens.dtype), cond, guided)  # (B or 2B, L, D)
             D = z.shape[-1]
             n_next = num_unknown - count  # orders[:, :n_next] stay unknown
-            pred = torch.zeros_like(unknown).scatter_(1, orders[:, n_next:num_unknown], True)  # (B, L) P_i
+            # (B, L) P_i
+            pred = torch.zeros_like(unknown).scatter_(1, orders[:, n_next:num_unknown], True)
             w = guidance_weight(cfg, cfg_schedule, n_next, L) if guided else 1.0
             all_unknown, record_steps = observer.wants(i) if observer is not None else (False, None)
-            pos = (orders[:, :num_unknown] if all_unknown else orders[:, n_next:num_unknown]).sort(dim=1).values  # (B, m)
-            idx = pos[..., None].expand(-1, -1, D)  # (B, m, D); the head's rows are image-major, positions ascending
+            pos = (orders[:, :num_unknown] if all_unknown
+                   else orders[:, n_next:num_unknown]).sort(dim=1).values  # (B, m)
+            # the head's rows are image-major, positions ascending
+            idx = pos[..., None].expand(-1, -1, D)  # (B, m, D)
             z_head = z[:B].gather(1, idx).reshape(-1, D)  # (B·m, D)
             if guided:
-                z_head = torch.cat([z_head, z[B:].gather(1, idx).reshape(-1, D)])  # (2·B·m, D) = [cond; null]
+                # (2·B·m, D) = [cond; null]
+                z_head = torch.cat([z_head, z[B:].gather(1, idx).reshape(-1, D)])
             out = self.diffloss.sample(z_head, temperature, w, generator, record_steps=record_steps)
             sampled, traj = out if record_steps is not None else (out, None)  # (B·m, C)
-            # the canvas with the head's result on the sampled positions: x̂0 on U_i when all_unknown
-            canvas = tokens.scatter(1, pos[..., None].expand(-1, -1, C), sampled.reshape(B, -1, C).to(tokens.dtype))
+            # the canvas with the head's result on the sampled positions: x̂0 on U_i when
+            # all_unknown
+            canvas = tokens.scatter(1, pos[..., None].expand(-1, -1, C),
+                                    sampled.reshape(B, -1, C).to(tokens.dtype))
             if observer is not None:
-                observer.saw(i, tokens=tokens, unknown=unknown, pred=pred, pos=pos, z=z, w=w, canvas=canvas, traj=traj)
+                observer.saw(i, tokens=tokens, unknown=unknown, pred=pred, pos=pos, z=z, w=w,
+                             canvas=canvas, traj=traj)
             tokens = torch.where(pred[..., None], canvas, tokens)  # only P_i is written
             unknown, num_unknown = unknown & ~pred, n_next
         return tokens
@@ -155,7 +179,8 @@ class MAR(MaskedAR, nn.Module):
         text_vocab_size: if > 0, a word-embedding table for prompt conditioning (`text_emb`);
         clip_denoised: the head clamps x̂0 to [-1, 1] when sampling (pixel tokens; diffloss.py).
     """
-    # the trained blocks (infra/fsdp.py shards each) and their projections that take --lora adapters (infra/lora.py)
+    # the trained blocks (infra/fsdp.py shards each) and their projections that take --lora
+    # adapters (infra/lora.py)
     BLOCKS = r"(encoder|decoder)_blocks\.\d+"
     LORA_TARGETS = BLOCKS + r"\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
 
@@ -169,12 +194,15 @@ class MAR(MaskedAR, nn.Module):
                  grad_checkpointing=False, text_vocab_size=0, clip_denoised=False, local_conv=0):
         super().__init__()
         # plain-dict snapshot of the constructor, saved in checkpoints (no pickled objects)
-        self.config = {k: v for k, v in locals().items() if k not in ("self", "norm_layer", "__class__")}
+        self.config = {k: v for k, v in locals().items()
+                       if k not in ("self", "norm_layer", "__class__")}
         self.config.update(num_sampling_steps=str(num_sampling_steps),
-                           norm_eps=norm_layer.keywords.get("eps", 1e-5) if isinstance(norm_layer, partial) else 1e-5)
+                           norm_eps=(norm_layer.keywords.get("eps", 1e-5)
+                                     if isinstance(norm_layer, partial) else 1e-5))
 
         # tokens
-        self.vae_embed_dim, self.img_size, self.vae_stride, self.patch_size = vae_embed_dim, img_size, vae_stride, patch_size
+        self.vae_embed_dim, self.img_size, self.vae_stride, self.patch_size = (
+            vae_embed_dim, img_size, vae_stride, patch_size)
         self.seq_h = self.seq_w = img_size // vae_stride // patch_size
         self.seq_len = self.seq_h * self.seq_w
         self.token_embed_dim = vae_embed_dim * patch_size ** 2
@@ -193,38 +221,47 @@ class MAR(MaskedAR, nn.Module):
         self.z_proj = nn.Linear(self.token_embed_dim, encoder_embed_dim, bias=True)
         self.z_proj_ln = nn.LayerNorm(encoder_embed_dim, eps=1e-6)
         self.buffer_size = buffer_size
-        self.encoder_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len + buffer_size, encoder_embed_dim))
+        self.encoder_pos_embed_learned = nn.Parameter(
+            torch.zeros(1, self.seq_len + buffer_size, encoder_embed_dim))
         self.encoder_blocks = nn.ModuleList([
-            Block(encoder_embed_dim, encoder_num_heads, mlp_ratio, qkv_bias=True, norm_layer=norm_layer,
-                  proj_drop=proj_dropout, attn_drop=attn_dropout) for _ in range(encoder_depth)])
+            Block(encoder_embed_dim, encoder_num_heads, mlp_ratio, qkv_bias=True,
+                  norm_layer=norm_layer, proj_drop=proj_dropout, attn_drop=attn_dropout)
+            for _ in range(encoder_depth)])
         self.encoder_norm = norm_layer(encoder_embed_dim)
 
         # MAE decoder
         self.decoder_embed = nn.Linear(encoder_embed_dim, decoder_embed_dim, bias=True)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
-        self.decoder_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len + buffer_size, decoder_embed_dim))
+        self.decoder_pos_embed_learned = nn.Parameter(
+            torch.zeros(1, self.seq_len + buffer_size, decoder_embed_dim))
         self.decoder_blocks = nn.ModuleList([
-            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True, norm_layer=norm_layer,
-                  proj_drop=proj_dropout, attn_drop=attn_dropout) for _ in range(decoder_depth)])
+            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True,
+                  norm_layer=norm_layer, proj_drop=proj_dropout, attn_drop=attn_dropout)
+            for _ in range(decoder_depth)])
         self.decoder_norm = norm_layer(decoder_embed_dim)
-        self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, decoder_embed_dim))
+        self.diffusion_pos_embed_learned = nn.Parameter(
+            torch.zeros(1, self.seq_len, decoder_embed_dim))
         self.local_conv = local_conv
         if local_conv:  # not in the official MAR: see the module docstring, item 4
-            self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv, padding=local_conv // 2)
+            self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv,
+                                                padding=local_conv // 2)
 
         self.initialize_weights()
-        for p in self.decoder_local_conv.parameters() if local_conv else ():  # zero: it starts as the official model
+        # zero: it starts as the official model
+        for p in self.decoder_local_conv.parameters() if local_conv else ():
             nn.init.zeros_(p)
 
         # diffusion head
         self.diffloss = DiffLoss(target_channels=self.token_embed_dim, z_channels=decoder_embed_dim,
-                                 width=diffloss_w, depth=diffloss_d, num_sampling_steps=num_sampling_steps,
+                                 width=diffloss_w, depth=diffloss_d,
+                                 num_sampling_steps=num_sampling_steps,
                                  grad_checkpointing=grad_checkpointing, clip_denoised=clip_denoised)
         self.diffusion_batch_mul = diffusion_batch_mul
 
     def initialize_weights(self):
-        for p in (self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,
-                  self.decoder_pos_embed_learned, self.diffusion_pos_embed_learned):
+        for p in (self.class_emb.weight, self.fake_latent, self.mask_token,
+                  self.encoder_pos_embed_learned, self.decoder_pos_embed_learned,
+                  self.diffusion_pos_embed_learned):
             nn.init.normal_(p, std=.02)
         if hasattr(self, "text_emb"):
             nn.init.normal_(self.text_emb.weight, std=.02)
@@ -281,7 +318,8 @@ class MAR(MaskedAR, nn.Module):
             return self.class_emb(labels)
         if prompt_ids is not None:
             if prompt_ids.shape[1] > self.buffer_size:
-                raise ValueError(f"prompt of {prompt_ids.shape[1]} tokens exceeds buffer_size {self.buffer_size}")
+                raise ValueError(f"prompt of {prompt_ids.shape[1]} tokens exceeds buffer_size "
+                                 f"{self.buffer_size}")
             emb = self.text_emb(prompt_ids)  # (B, S, D)
             return torch.where((prompt_ids == 0)[..., None], self.fake_latent, emb)
         return self.fake_latent.expand(bsz, -1)
@@ -299,8 +337,10 @@ class MAR(MaskedAR, nn.Module):
         x = self.z_proj(x)
         bsz, seq_len, embed_dim = x.shape
         # buffer slots in front of the tokens, never masked
-        x = torch.cat([torch.zeros(bsz, self.buffer_size, embed_dim, device=x.device, dtype=x.dtype), x], dim=1)
-        mask_with_buffer = torch.cat([torch.zeros(bsz, self.buffer_size, device=x.device), mask], dim=1)
+        x = torch.cat([torch.zeros(bsz, self.buffer_size, embed_dim, device=x.device,
+                                   dtype=x.dtype), x], dim=1)
+        mask_with_buffer = torch.cat([torch.zeros(bsz, self.buffer_size, device=x.device), mask],
+                                     dim=1)
         # drop the condition for classifier-free guidance training
         if self.training:
             drop = torch.rand(bsz, generator=generator, device=x.device) < self.label_drop_prob
@@ -315,28 +355,36 @@ class MAR(MaskedAR, nn.Module):
         x = x + self.encoder_pos_embed_learned
         x = self.z_proj_ln(x)
         # keep the buffer and the known tokens (every row has the same number of them)
-        x = x[(1 - mask_with_buffer).nonzero(as_tuple=True)].reshape(bsz, -1, embed_dim)  # (B, buffer+#known, D)
+        # (B, buffer+#known, D)
+        x = x[(1 - mask_with_buffer).nonzero(as_tuple=True)].reshape(bsz, -1, embed_dim)
         return self.encoder_norm(self.run_blocks(self.encoder_blocks, x))
 
     def forward_mae_decoder(self, x, mask):
         """x: (B, buffer + #known, D_enc) encoder output; mask: (B, L), 1 = unknown.
         Returns z: (B, L, D_dec), the diffusion head's condition for every position."""
         x = self.decoder_embed(x)
-        mask_with_buffer = torch.cat([torch.zeros(x.size(0), self.buffer_size, device=x.device), mask], dim=1)
+        mask_with_buffer = torch.cat([torch.zeros(x.size(0), self.buffer_size, device=x.device),
+                                      mask], dim=1)
         # put the known tokens back in place, mask tokens elsewhere
-        x_after_pad = self.mask_token.repeat(mask_with_buffer.shape[0], mask_with_buffer.shape[1], 1).to(x.dtype)
-        x_after_pad[(1 - mask_with_buffer).nonzero(as_tuple=True)] = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+        x_after_pad = self.mask_token.repeat(
+            mask_with_buffer.shape[0], mask_with_buffer.shape[1], 1).to(x.dtype)
+        x_after_pad[(1 - mask_with_buffer).nonzero(as_tuple=True)] = x.reshape(
+            x.shape[0] * x.shape[1], x.shape[2])
         x = x_after_pad + self.decoder_pos_embed_learned  # (B, buffer+L, D)
         if self.local_conv:  # a local prior on the token grid (small models only)
-            x = torch.cat([x[:, :self.buffer_size], x[:, self.buffer_size:] + self.grid_conv(x[:, self.buffer_size:])], dim=1)
+            x = torch.cat([x[:, :self.buffer_size],
+                           x[:, self.buffer_size:] + self.grid_conv(x[:, self.buffer_size:])],
+                          dim=1)
         x = self.decoder_norm(self.run_blocks(self.decoder_blocks, x))
         x = x[:, self.buffer_size:]  # (B, L, D)
         return x + self.diffusion_pos_embed_learned
 
     def run_blocks(self, blocks, x):
-        """x (B, N, D) through `blocks`; with grad_checkpointing and gradients on, each is recomputed in the backward."""
+        """x (B, N, D) through `blocks`; with grad_checkpointing and gradients on, each is
+        recomputed in the backward."""
         for block in blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing and torch.is_grad_enabled() else block(x)
+            x = (checkpoint(block, x, use_reentrant=False)
+                 if self.grad_checkpointing and torch.is_grad_enabled() else block(x))
         return x
 
     def grid_conv(self, x):
@@ -347,36 +395,45 @@ class MAR(MaskedAR, nn.Module):
         return self.decoder_local_conv(grid).flatten(2).transpose(1, 2)  # (B, L, D)
 
     def predict_z(self, tokens, mask, cond):
-        """z (B, L, D) for a canvas: tokens (B, L, C_tok), mask (B, L) 1 = unknown, cond (B, [S,] D)."""
+        """z (B, L, D) for a canvas: tokens (B, L, C_tok), mask (B, L) 1 = unknown,
+        cond (B, [S,] D)."""
         return self.forward_mae_decoder(self.forward_mae_encoder(tokens, mask, cond), mask)
 
     # -------------------------------------------------------------------------
     # generation
 
     @torch.no_grad()
-    def sample_tokens(self, bsz, num_iter=64, cfg=1.0, cfg_schedule="linear", labels=None, temperature=1.0,
-                      progress=False, generator=None, prompt_ids=None, orders=None):
-        """(B, C, H, W) latent images (docs/method.md §1): `generate` behind the official signature;
-        labels: (B,) classes or prompt_ids: (B, S) (neither: unconditional); orders: optional (B, L)."""
-        orders = self.sample_orders(bsz, generator) if orders is None else orders.to(self.fake_latent.device)
+    def sample_tokens(self, bsz, num_iter=64, cfg=1.0, cfg_schedule="linear", labels=None,
+                      temperature=1.0, progress=False, generator=None, prompt_ids=None,
+                      orders=None):
+        """(B, C, H, W) latent images (docs/method.md §1, MAR's loop: N AR steps, each writing
+        P_i ⊆ U_i from z = f_θ(canvas) by the head's T-step DDPM): `generate` behind the official
+        signature; labels: (B,) classes or prompt_ids: (B, S) (neither: unconditional); orders:
+        optional (B, L)."""
+        orders = (self.sample_orders(bsz, generator) if orders is None
+                  else orders.to(self.fake_latent.device))
         cond = self.condition(labels, prompt_ids, bsz)
-        tokens = self.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator, progress=progress)
+        tokens = self.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator,
+                               progress=progress)
         return self.unpatchify(tokens)
 
 
 # the official sizes: (width, depth, heads) of encoder and decoder each, and the head (depth, width)
 # the official training scripts pass with each model (main_mar.py flags)
-OFFICIAL_SIZES = {"mar_base": (768, 12, 12), "mar_large": (1024, 16, 16), "mar_huge": (1280, 20, 16)}
+OFFICIAL_SIZES = {"mar_base": (768, 12, 12), "mar_large": (1024, 16, 16),
+                  "mar_huge": (1280, 20, 16)}
 OFFICIAL_HEADS = {"mar_base": dict(diffloss_d=6, diffloss_w=1024),
                   "mar_large": dict(diffloss_d=8, diffloss_w=1280),
                   "mar_huge": dict(diffloss_d=12, diffloss_w=1536)}
 
 
 def official_mar(name, **kwargs):
-    """mar_base / mar_large / mar_huge: the official sizes, LayerNorm eps 1e-6, other arguments as given."""
+    """mar_base / mar_large / mar_huge: the official sizes, LayerNorm eps 1e-6, other arguments as
+    given."""
     width, depth, heads = OFFICIAL_SIZES[name]
-    return MAR(encoder_embed_dim=width, encoder_depth=depth, encoder_num_heads=heads, decoder_embed_dim=width,
-               decoder_depth=depth, decoder_num_heads=heads, mlp_ratio=4, norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
+    return MAR(encoder_embed_dim=width, encoder_depth=depth, encoder_num_heads=heads,
+               decoder_embed_dim=width, decoder_depth=depth, decoder_num_heads=heads, mlp_ratio=4,
+               norm_layer=partial(nn.LayerNorm, eps=1e-6), **kwargs)
 
 
 def mar_base(**kwargs):
@@ -395,6 +452,8 @@ def build_mar(config):
     """A MAR from a plain config dict (as saved in `MAR.config`)."""
     config = dict(config)
     norm_eps = config.pop("norm_eps", 1e-6)
-    if config.pop("mask_schedule", "official") != "official":  # a small base's config may record the official one
-        raise ValueError("config: only the official mask schedule (a truncated normal ratio) is built")
+    # a small base's config may record the official one
+    if config.pop("mask_schedule", "official") != "official":
+        raise ValueError("config: only the official mask schedule (a truncated normal ratio) is "
+                         "built")
     return MAR(norm_layer=partial(nn.LayerNorm, eps=norm_eps), **config)

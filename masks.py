@@ -1,24 +1,32 @@
 """Token masks of MAR-GRPO: which positions get the multi-trajectory term, and which positions
-the policy term keeps (docs/method.md §4, §5). Plain tensors; nothing in it knows about MAR.
+the policy term keeps (docs/method.md §4 and §5, whose formulas follow). Plain tensors; nothing in
+it knows about MAR.
 
-    u_p    = mean_c std_s x0^(s)_{p,c}                      per-token uncertainty over S trajectories
+    u_p    = mean_c std_s x0^(s)_{p,c}                    per-token uncertainty over S trajectories
     M_unc  = top-k% of positions by u_p, per image
     Δsim_p = cos(x̂0^(i)_p, x_final,p) − cos(x̂0^(i−1)_p, x_final,p)
-    H_p    = 1[Δsim_p > κ]                                  κ: the consistency threshold
+    H_p    = 1[Δsim_p > κ]                                κ: the consistency threshold
     W      = U_i ∧ (H ∨ P_i)   for i ≥ 1;   W = U_i at the first AR step
+
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trainers
+src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py (the
+uncertainty `std(dim=0, unbiased=False)`, `select_top_tokens_via_std`, the consistency mask under
+`use_latent_sim_coef`) and the runs' settings (`--top_mask_percent 0.3`,
+`--latent_sim_thresh 0.0`) in scripts/debug_entry_{nova,harmon,nova_mix}.py.
 
 What the paper says, what the released code does, and what this file does:
 1. Uncertainty. Paper: the spread of the S trajectories' predictions. Released: population std
-   (unbiased=False) across trajectories of each token's final sample, averaged over channels. This file: the
-   same (`token_uncertainty`).
+   (unbiased=False) across trajectories of each token's final sample, averaged over channels.
+   This file: the same (`token_uncertainty`).
 2. Top-k%. Released: k = max(1, int(L · k%)) positions per image by `topk`, whose order among
    ties is unspecified. This file: the same k, with ties broken by position (a stable sort), so the
    mask is a deterministic function of u.
 3. Consistency. Paper: drop tokens whose intermediate prediction does not move toward the final
    image (Δsim ≤ κ). Released: compares the head's last denoised latents of AR steps i and i−1
    with the final latents, keeps hard-mask ∨ written-this-step inside the unknown set, and applies
-   it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). This file: the same
-   rule from i ≥ 1, the first step at which a previous preview exists (docs/method.md §5); at i = 0, W = U.
+   it only for i > 1 (a commented-out variant thresholds 0.5·cos + 0.5; ignored). This file: the
+   same rule from i ≥ 1, the first step at which a previous preview exists (docs/method.md §5,
+   W = U_i ∧ (1[Δsim > κ] ∨ P_i)); at i = 0, W = U.
 4. Only the policy term is masked by W; the KL term keeps all of U_i (grpo.py).
 """
 
@@ -57,7 +65,8 @@ def delta_sim(preview, preview_prev, final):
 
     preview, preview_prev, final: (B, L, C)   returns (B, L)
     """
-    return F.cosine_similarity(preview, final, dim=-1) - F.cosine_similarity(preview_prev, final, dim=-1)
+    return (F.cosine_similarity(preview, final, dim=-1)
+            - F.cosine_similarity(preview_prev, final, dim=-1))
 
 
 def consistency_mask(preview, preview_prev, final, unknown, pred, threshold=0.0):

@@ -1,6 +1,14 @@
-"""Multi-Trajectory Expectation (MTE, docs/method.md §4): average the policy term of uncertain tokens over
-several diffusion trajectories of the frozen head, to cut the noise the head's sampling puts into
-the policy gradient.
+"""Multi-Trajectory Expectation (MTE, docs/method.md §4: u_p = mean_c std_s x0,
+M_unc = top-k% of positions by u_p): average the policy term of uncertain tokens over several
+diffusion trajectories of the frozen head, to cut the noise the head's sampling puts into the
+policy gradient.
+
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trajectories are drawn in
+src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`,
+`num_seed=3`) and src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon,
+`sample_with_logp`, `num_seed=5`); their term is evaluated in the trainers
+src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py
+(`use_critic_token`, on in scripts/debug_entry_{nova,harmon,nova_mix}.py).
 
 After the rollout, the frozen head is re-run from z_final (the condition each token was generated
 from) with S fresh noise draws, recording the same chosen diffusion steps. Then, per element,
@@ -17,18 +25,18 @@ What the paper says, what the released code does, and what this file does:
    S × B × L rows with a passed generator (`sample_trajectories`).
 2. Released: the trajectories were drawn under z_final but their log-probabilities are evaluated
    under z_i of the trained AR step. This file: the same, as the default (it is what was
-   published; docs/method.md §4): `trajectory_logprobs`; `--mte-positions predicted` restricts it
-   to P_i (grpo.ar_step_loss).
+   published; docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ) under z_i):
+   `trajectory_logprobs`; `--mte-positions predicted` restricts it to P_i (grpo.ar_step_loss).
 3. Released: every trajectory's log-probability uses the rollout trajectory's s. This file: each
    uses its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's
    scale per element can differ, and only where σ depends on x^t.
 4. Released: the trajectories are guided with the w of the last AR step for every token. This
    file: each token is guided with the w it was generated with (`cfg_final`).
-5. A property, not a choice: on P_i (z_i = z_final) each trajectory's ∇ℓ is the score of the very
-   distribution it was drawn from, so its mean over trajectories is zero whatever the advantage.
-   There MTE does not average a gradient; it replaces the uncertain tokens' policy gradient by
-   noise that shrinks as 1/√S, i.e. it masks them (tested). Only on U_i outside P_i, evaluated
-   under another z, do the trajectories carry a direction.
+5. A property, not a choice: on P_i (z_i = z_final) each trajectory's ∇ℓ is the score of the
+   very distribution it was drawn from, so its mean over trajectories is zero whatever the
+   advantage. There MTE does not average a gradient; it replaces the uncertain tokens' policy
+   gradient by noise that shrinks as 1/√S, i.e. it masks them (tested). Only on U_i outside P_i,
+   evaluated under another z, do the trajectories carry a direction.
 """
 
 import torch
@@ -37,7 +45,8 @@ from diffloss import transition_logprob, transition_mean
 
 
 @torch.no_grad()
-def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num_trajectories, diff_steps, generator=None):
+def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num_trajectories,
+                        diff_steps, generator=None):
     """S fresh head trajectories for every position, in one batched call.
 
     head: the (frozen) DiffLoss; z_final: (B, L, D) the z each token was generated from;
@@ -55,25 +64,28 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
         cfg = cfg_final.expand(S, B, L).reshape(S * B * L)  # (S·B·L,)
     x0, traj = head.sample(z, temperature, cfg, generator, record_steps=diff_steps)
     K, C = len(diff_steps), x0.shape[-1]
-    out = {key: traj[key].reshape(K, S, B, L, C).transpose(0, 1) for key in ("x_t", "x_prev", "std")}  # (S, K, B, L, C)
+    out = {key: traj[key].reshape(K, S, B, L, C).transpose(0, 1)
+           for key in ("x_t", "x_prev", "std")}  # (S, K, B, L, C)
     out["x0"] = x0.reshape(S, B, L, C)
     return out
 
 
 def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
     """ℓ_θ of the S trajectories at one trained AR step, evaluated under that step's z_i
-    (docs/method.md §4, item 2 above), dense over U_i.
+    (docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ); item 2 above), dense over
+    U_i.
 
-    head: the policy's head; trajectories: dict from `sample_trajectories`; step: a rollout.StepRecord
-    (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed z_i on U_i (z_null None
-    without guidance); w: guidance; uncertain: (B, n) bool M_unc on U_i.
-    returns ℓ^(s): (S, K, B, n, C). Only the uncertain positions are evaluated (the cost scales with
-    k%); elsewhere ℓ^(s) is 0 without gradient, and `mte_policy_term` never selects it.
+    head: the policy's head; trajectories: dict from `sample_trajectories`; step: a
+    rollout.StepRecord (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed
+    z_i on U_i (z_null None without guidance); w: guidance; uncertain: (B, n) bool M_unc on U_i.
+    returns ℓ^(s): (S, K, B, n, C). Only the uncertain positions are evaluated (the cost scales
+    with k%); elsewhere ℓ^(s) is 0 without gradient, and `mte_policy_term` never selects it.
     """
     S, K, B, L, C = trajectories["x_t"].shape
     n = step.unk_idx.shape[1]
     idx = step.unk_idx[None, None, :, :, None].expand(S, K, B, n, C)
-    x_t, x_prev, std = (trajectories[key].gather(3, idx) for key in ("x_t", "x_prev", "std"))  # (S, K, B, n, C)
+    # (S, K, B, n, C)
+    x_t, x_prev, std = (trajectories[key].gather(3, idx) for key in ("x_t", "x_prev", "std"))
     sel = uncertain[None, None].expand(S, K, B, n)  # (S, K, B, n)
     N_u = int(uncertain.sum())  # positions with MTE in this step (a host sync, once per AR step)
     logp = torch.zeros(S, K, B, n, C, device=x_t.device)
@@ -82,13 +94,16 @@ def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
     x_t_u = x_t[sel].reshape(S, K, N_u, C).transpose(0, 1)  # (K, S, N_u, C)
     z_u = z[uncertain].expand(S, N_u, z.shape[-1])  # (S, N_u, D)
     z_null_u = None if z_null is None else z_null[uncertain].expand(S, N_u, z.shape[-1])
-    mean_u = transition_mean(head, x_t_u, step.diff_steps, z_u, z_null_u, w).transpose(0, 1)  # (S, K, N_u, C)
-    logp_u = transition_logprob(x_prev[sel].reshape(S, K, N_u, C), mean_u, std[sel].reshape(S, K, N_u, C))
+    # (S, K, N_u, C)
+    mean_u = transition_mean(head, x_t_u, step.diff_steps, z_u, z_null_u, w).transpose(0, 1)
+    logp_u = transition_logprob(x_prev[sel].reshape(S, K, N_u, C), mean_u,
+                                std[sel].reshape(S, K, N_u, C))
     return logp.masked_scatter(sel[..., None].expand_as(logp), logp_u)
 
 
 def mte_policy_term(term_rollout, term_traj, uncertain):
-    """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element (docs/method.md §4).
+    """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element
+    (docs/method.md §4).
 
     term_rollout: (K, B, n, C) surrogate ρ⁽⁰⁾A of the rollout trajectory;
     term_traj: (S, K, B, n, C) surrogates ρ⁽ˢ⁾A of the S trajectories (same advantages);

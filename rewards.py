@@ -1,5 +1,11 @@
 """Rewards for GRPO: one call signature, built by name, combined with weights.
 
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: its runs
+scripts/debug_entry_{nova,harmon,nova_mix}.py (`--reward_funcs hps` with HPS_v2.1_compressed.pt;
+nova_mix adds `git` and `gdino`), the prompt records they train on (read in
+src/grpo/src/open_r1/grpo_v1.py) and its scorers src/grpo/src/utils/reward_hps.py,
+reward_git.py and reward_gdino.py.
+
 Every reward is a callable
 
     fn(images, prompts, metadata) -> (scores, info)
@@ -18,32 +24,25 @@ weights={...})` parses the `--reward` spec and returns the weighted sum of its r
 
     r_b = sum_k w_k r_k,b          info["components"][k] = r_k (B,), info["means"][k] = mean_b r_k,b
 
-(the means are unweighted, one per component, for logging). The released runs use HPS v2.1 (docs/method.md §8).
-`build_reward(spec, server={"url": ...})` returns the same reward scored by a reward server
-(`python -m scorers.server`; the client is scorers/remote.py, docs/reward_server.md).
+(the means are unweighted, one per component, for logging). The released runs use HPS v2.1
+(docs/method.md §8, the released hyperparameters: reward HPS v2.1, β = 0.01, G = 4 images per
+prompt, 12 AR × 10 diffusion steps trained per rollout). `build_reward(spec, server={"url": ...})`
+returns the same reward scored by a reward server (`python -m scorers.server`; the client is
+scorers/remote.py, docs/reward_server.md).
 
-This file holds the interface, the spec parser, `build_reward`, the table of weight files, and the
-rewards that need no model (JPEG). The others live in folders and are imported when first built, so
-`import rewards` pulls in none of their libraries: the shapes verifier in demo/verifier.py, the
-model-based rewards in scorers/ (clip.py: open_clip; scorers/imagereward.py: BLIP; composition.py:
-GroundingDINO, GIT; weights.py reads their weight files).
+This file holds the interface, the spec parser, `build_reward`, the table of weight files
+(`WEIGHT_FILES`), and the rewards that need no model (JPEG). The others live in folders and are
+imported when first built, so `import rewards` pulls in none of their libraries: the shapes
+verifier in demo/verifier.py, the model-based rewards in scorers/ (clip.py: open_clip;
+scorers/imagereward.py: BLIP; composition.py: GroundingDINO, GIT; weights.py reads their weight
+files).
 
-Rewards, the weight files they need, and where those files are published
-(the `weights` key is what `build_reward(..., weights={key: path})` and `--reward-ckpt key=PATH` take):
-
-| `--reward` name | score | `weights` key -> file | where the official file is published |
-|---|---|---|---|
-| `shapes` | verifier score of the shapes world (`verifier.verify_batch`) | none | - (rendered world in demo/shapes.py) |
-| `jpeg_compressibility` | -(JPEG size in kB at quality 95), as in DDPO | none | - |
-| `jpeg_incompressibility` | +(JPEG size in kB at quality 95), as in DDPO | none | - |
-| `clip_score` | 100 * cos(image, prompt) | `clip_score` -> `ViT-L-14.pt` for the default `model_name="ViT-L-14-quickgelu"`; any open_clip checkpoint of the `model_name` you choose | OpenAI CLIP release (`https://openaipublic.azureedge.net/clip/models/b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt`, the file `clip.load("ViT-L/14")` fetches) or HF `openai/clip-vit-large-patch14` `model.safetensors`; other archs: the `open_clip_pytorch_model.bin` of their HF repo (e.g. `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` with `model_name="ViT-H-14"`) |
-| `hpsv2` | cos(image, prompt) under HPS v2 / v2.1 (papers print it x100: 0.2676 -> "26.76") | `hpsv2` -> `HPS_v2.1_compressed.pt` (v2.1) or `HPS_v2_compressed.pt` (v2.0) | HF `xswu/HPSv2` (linked from GitHub `tgxs002/HPSv2`) |
-| `pickscore` | exp(logit_scale) * cos(image, prompt) (about 100 * cos) | `pickscore` -> `model.safetensors` | HF `yuvalkirstain/PickScore_v1`; its processor `laion/CLIP-ViT-H-14-laion2B-s32B-b79K` is open_clip's built-in tokenizer, so no file is needed for it |
-| `aesthetic` | LAION aesthetic MLP on the L2-normalised CLIP ViT-L/14 image embedding (about 1..10) | `aesthetic` -> `sac+logos+ava1-l14-linearMSE.pth`; `aesthetic_clip` -> `ViT-L-14.pt` | GitHub `christophschuhmann/improved-aesthetic-predictor`; CLIP as for `clip_score` (OpenAI `ViT-L-14.pt` or HF `openai/clip-vit-large-patch14`) |
-| `gdino` | GroundingDINO finds the prompt's nouns, scored by task type (scorers/composition_rules.py; 0..1); needs `--prompts FILE.jsonl` | `gdino` -> a folder in the HF layout | HF `IDEA-Research/grounding-dino-tiny` (the transformers conversion of the released `groundingdino_swint_ogc`) |
-| `gdino_released` | the same with the released code's scoring rules, inconsistencies kept (scorers/composition_rules.py) | `gdino` | as `gdino` |
-| `git_vqa` | mean over attribute phrases of GIT's P(yes) / (P(yes) + P(no)) (scorers/composition.py; 0..1); needs `--prompts FILE.jsonl` | `git_vqa` -> a folder in the HF layout | HF `microsoft/git-large-vqav2` |
-| `imagereward` | ImageReward v1.0: (MLP(BLIP [CLS] feature of prompt x image) - 0.16717) / 1.03334 (about -2..2) | `imagereward` -> `ImageReward.pt`; `imagereward_tokenizer` -> a folder with `bert-base-uncased`'s `vocab.txt` | HF `THUDM/ImageReward` (`ImageReward.pt`, code in GitHub `THUDM/ImageReward`); tokenizer: HF `google-bert/bert-base-uncased` (the official code's `bert-base-uncased`) |
+The rewards: `shapes` (the demo's verifier), `jpeg_compressibility` and `jpeg_incompressibility`
+(DDPO's JPEG size) need no weights; `clip_score`, `hpsv2`, `pickscore` and `aesthetic` (CLIP
+models), `imagereward` (BLIP), and `gdino`, `gdino_released` and `git_vqa` (GroundingDINO, GIT;
+these also need `--prompts FILE.jsonl`) read local weight files, given by `weights` key as
+`build_reward(..., weights={key: path})` or `--reward-ckpt key=PATH`. What each scores, its keys
+and files, and where each file is published: docs/real_models.md, "Rewards and their weight files".
 
 Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
 file raises a one-line FileNotFoundError naming `--reward-ckpt` and the expected file, a file that
@@ -64,7 +63,8 @@ from PIL import Image
 REWARD_FLAG = "--reward"      # the spec flag, named in errors
 CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
 
-# weights key -> (expected file, where it is published); the table of the module docstring.
+# weights key -> (expected file, where it is published); the table of docs/real_models.md,
+# "Rewards and their weight files".
 WEIGHT_FILES = {
     "hpsv2": ("HPS_v2.1_compressed.pt or HPS_v2_compressed.pt", "HF xswu/HPSv2"),
     "pickscore": ("model.safetensors", "HF yuvalkirstain/PickScore_v1"),
@@ -74,12 +74,15 @@ WEIGHT_FILES = {
                   "GitHub christophschuhmann/improved-aesthetic-predictor"),
     "aesthetic_clip": ("ViT-L-14.pt", "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
     "imagereward": ("ImageReward.pt", "HF THUDM/ImageReward"),
-    "imagereward_tokenizer": ("a folder with the bert-base-uncased vocab.txt", "HF google-bert/bert-base-uncased"),
+    "imagereward_tokenizer": ("a folder with the bert-base-uncased vocab.txt",
+                              "HF google-bert/bert-base-uncased"),
     "gdino": ("a GroundingDINO folder in the HF layout", "HF IDEA-Research/grounding-dino-tiny"),
     "git_vqa": ("a GIT folder in the HF layout", "HF microsoft/git-large-vqav2"),
 }
-FOLDER_KEYS = {"imagereward_tokenizer", "gdino", "git_vqa"}  # weights keys that name a folder, not a file
-METADATA_REWARDS = ("gdino", "gdino_released", "git_vqa")  # rewards that read the released prompt records
+# weights keys that name a folder, not a file
+FOLDER_KEYS = {"imagereward_tokenizer", "gdino", "git_vqa"}
+# rewards that read the released prompt records
+METADATA_REWARDS = ("gdino", "gdino_released", "git_vqa")
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +102,8 @@ class Reward:
         Returns (scores (B,) float32 CPU tensor, info dict)."""
         images = torch.as_tensor(images)
         if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"{self.name} reward: images must be (B, 3, H, W), got {tuple(images.shape)}")
+            raise ValueError(f"{self.name} reward: images must be (B, 3, H, W), "
+                             f"got {tuple(images.shape)}")
         B = images.shape[0]
         if len(prompts) != B:
             raise ValueError(f"{self.name} reward: {B} images but {len(prompts)} prompts")
@@ -115,7 +119,8 @@ class Reward:
 
 
 def to_8bit(images):
-    """round(255 x) / 255 of x clamped to [0, 1]: the 8-bit image every reward scores (float, same shape)."""
+    """round(255 x) / 255 of x clamped to [0, 1]: the 8-bit image every reward scores (float,
+    same shape)."""
     return images.clamp(0, 1).mul(255).round().div(255)
 
 
@@ -133,11 +138,13 @@ class WeightedSum(Reward):
         self.components = list(components)  # [(name, weight, Reward)]
 
     def score(self, images, prompts, metadata):
-        return self.combine([(name, weight, *reward(images, prompts, metadata)) for name, weight, reward in self.components])
+        return self.combine([(name, weight, *reward(images, prompts, metadata))
+                             for name, weight, reward in self.components])
 
     @staticmethod
     def combine(parts):
-        """parts: [(name, weight, r (B,) float32, extra info dict)] in the spec's order -> (sum_k w_k r_k (B,), info)."""
+        """parts: [(name, weight, r (B,) float32, extra info dict)] in the spec's order ->
+        (sum_k w_k r_k (B,), info)."""
         total = torch.zeros(len(parts[0][2]))                                 # (B,)
         info = {"means": {}, "components": {}, "weights": {}}
         for name, weight, r, extra in parts:
@@ -160,11 +167,13 @@ def parse_reward_spec(spec):
         name, _, weight = part.partition(":")
         name = name.strip()
         if name not in REWARDS:
-            raise ValueError(f"unknown reward '{name}' ({REWARD_FLAG}); choose from {', '.join(REWARDS)}")
+            raise ValueError(f"unknown reward '{name}' ({REWARD_FLAG}); "
+                             f"choose from {', '.join(REWARDS)}")
         try:
             w = float(weight) if weight.strip() else 1.0
         except ValueError:
-            raise ValueError(f"bad weight '{weight}' for reward '{name}' ({REWARD_FLAG} name:weight)") from None
+            raise ValueError(f"bad weight '{weight}' for reward '{name}' "
+                             f"({REWARD_FLAG} name:weight)") from None
         if not math.isfinite(w):  # every reward would be non-finite: no update could happen
             raise ValueError(f"{REWARD_FLAG} {name}:{weight}: the weight must be a finite number")
         if name in [n for n, _ in items]:
@@ -196,10 +205,12 @@ def parse_reward_ckpt(values, spec):
             elif len(values) == 1 and "," not in value and len(needed) == 1:
                 weights[needed[0]] = item
             elif item:
-                raise ValueError(f"{CKPT_FLAG} '{item}': write key=PATH with key in {', '.join(WEIGHT_FILES)}")
+                raise ValueError(f"{CKPT_FLAG} '{item}': write key=PATH with key in "
+                                 f"{', '.join(WEIGHT_FILES)}")
     unused = [key for key in weights if key not in needed]
     if unused:  # a file given for a reward that is not in use would be silently ignored
-        raise ValueError(f"{CKPT_FLAG} {unused[0]}={weights[unused[0]]}: {REWARD_FLAG} '{spec}' uses no {unused[0]} weights"
+        raise ValueError(f"{CKPT_FLAG} {unused[0]}={weights[unused[0]]}: {REWARD_FLAG} '{spec}' "
+                         f"uses no {unused[0]} weights"
                          + (f" (it takes {', '.join(needed)})" if needed else ""))
     return weights
 
@@ -211,33 +222,39 @@ def build_reward(spec, *, device="cpu", weights=None, options=None, server=None,
     device:  where the reward models run (images are moved there after preprocessing).
     weights: weights key -> local file, e.g. {"hpsv2": ".../HPS_v2.1_compressed.pt",
              "pickscore": ".../model.safetensors", "clip_score": ".../ViT-L-14.pt",
-             "aesthetic": ".../sac+logos+ava1-l14-linearMSE.pth", "aesthetic_clip": ".../ViT-L-14.pt",
-             "imagereward": ".../ImageReward.pt", "imagereward_tokenizer": ".../bert-base-uncased"}
-             (the tokenizer key names a folder). Keys of rewards not in the spec are ignored.
+             "aesthetic": ".../sac+logos+ava1-l14-linearMSE.pth",
+             "aesthetic_clip": ".../ViT-L-14.pt", "imagereward": ".../ImageReward.pt",
+             "imagereward_tokenizer": ".../bert-base-uncased"} (the tokenizer key names a
+             folder). Keys of rewards not in the spec are ignored.
     options: per-reward keyword arguments, {name: {kwarg: value}}, over `kwargs`.
     kwargs:  keyword arguments given to every reward of the spec that takes them (e.g.
-             `model_name` for the CLIP-based rewards, `arch` for imagereward, `dtype`, `batch_size`).
-    server:  None (the reward models run in this process), or {"url", "token", "timeout", "retries"}:
-             a reward server (`python -m scorers.server`) that serves every name of the spec scores
-             the images and this process sums them (scorers/remote.py `RemoteReward`); the weight
-             files and options are then the server's.
+             `model_name` for the CLIP-based rewards, `arch` for imagereward, `dtype`,
+             `batch_size`).
+    server:  None (the reward models run in this process), or {"url", "token", "timeout",
+             "retries"}: a reward server (`python -m scorers.server`) that serves every name of
+             the spec scores the images and this process sums them (scorers/remote.py
+             `RemoteReward`); the weight files and options are then the server's.
     Returns a `WeightedSum` (also for a single reward, so info always has means and components), or
     with `server` a RemoteReward whose info has the same keys.
     """
     items = parse_reward_spec(spec)
     if server is not None:
         if weights or options or kwargs:
-            raise ValueError(f"{CKPT_FLAG} and reward options {sorted({**(weights or {}), **(options or {}), **kwargs})}: "
-                             "the reward server loads the models (python -m scorers.server --reward-ckpt KEY=PATH)")
+            raise ValueError(f"{CKPT_FLAG} and reward options "
+                             f"{sorted({**(weights or {}), **(options or {}), **kwargs})}: "
+                             "the reward server loads the models "
+                             "(python -m scorers.server --reward-ckpt KEY=PATH)")
         return _built_from("scorers.remote", "RemoteReward")(items=items, **server)
     weights = dict(weights or {})
     for key in weights:
         if key not in WEIGHT_FILES:
-            raise ValueError(f"{CKPT_FLAG}: unknown weights key '{key}'; choose from {', '.join(WEIGHT_FILES)}")
+            raise ValueError(f"{CKPT_FLAG}: unknown weights key '{key}'; "
+                             f"choose from {', '.join(WEIGHT_FILES)}")
     options = dict(options or {})
     for name in options:
         if name not in REWARDS:
-            raise ValueError(f"unknown reward '{name}' in options; choose from {', '.join(REWARDS)}")
+            raise ValueError(f"unknown reward '{name}' in options; "
+                             f"choose from {', '.join(REWARDS)}")
     components = []
     for name, w in items:
         factory, keys, accepted = REWARDS[name]
@@ -263,12 +280,14 @@ def score(reward_fn, spec, images, texts, metas):
     try:
         return reward_fn(images, texts, metas)
     except RewardFailed:
-        raise  # already said in one line (a reward server that stopped answering: scorers/remote.py)
+        # already said in one line (a reward server that stopped answering: scorers/remote.py)
+        raise
     except Exception as e:
         unique = list(dict.fromkeys(texts))
         shown = unique[:8] + ([f"... {len(unique)} prompts in all"] if len(unique) > 8 else [])
         reason = (str(e).strip().splitlines() or [""])[0]
-        raise RewardFailed(f"--reward {spec!r} failed on the prompts {shown}: {type(e).__name__}: {reason}") from e
+        raise RewardFailed(f"--reward {spec!r} failed on the prompts {shown}: "
+                           f"{type(e).__name__}: {reason}") from e
 
 
 # -----------------------------------------------------------------------------
@@ -288,7 +307,8 @@ def jpeg_size_kb(images, quality=95):
 
 
 class JpegReward(Reward):
-    """sign * JPEG size in kB at quality 95: sign -1 rewards compressible images, +1 incompressible."""
+    """sign * JPEG size in kB at quality 95: sign -1 rewards compressible images, +1
+    incompressible."""
 
     def __init__(self, sign, device="cpu"):
         self.sign = sign
@@ -319,19 +339,23 @@ REWARDS = {
     "clip_score": (_built_from("scorers.clip", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),
     "hpsv2": (_built_from("scorers.clip", "HPSv2Reward"), ("hpsv2",), _CLIP_OPTIONS),
     "pickscore": (_built_from("scorers.clip", "PickScoreReward"), ("pickscore",), _CLIP_OPTIONS),
-    "aesthetic": (_built_from("scorers.clip", "AestheticReward"), ("aesthetic", "aesthetic_clip"), _CLIP_OPTIONS),
-    "imagereward": (_built_from("scorers.imagereward", "ImageRewardReward"), ("imagereward", "imagereward_tokenizer"),
-                    {"arch", "dtype", "batch_size"}),
+    "aesthetic": (_built_from("scorers.clip", "AestheticReward"), ("aesthetic", "aesthetic_clip"),
+                  _CLIP_OPTIONS),
+    "imagereward": (_built_from("scorers.imagereward", "ImageRewardReward"),
+                    ("imagereward", "imagereward_tokenizer"), {"arch", "dtype", "batch_size"}),
     "gdino": (_built_from("scorers.composition", "GDinoReward"), ("gdino",), set()),
-    "gdino_released": (_built_from("scorers.composition", "GDinoReleasedReward"), ("gdino",), set()),
+    "gdino_released": (_built_from("scorers.composition", "GDinoReleasedReward"), ("gdino",),
+                       set()),
     "git_vqa": (_built_from("scorers.composition", "GitVqaReward"), ("git_vqa",), set()),
 }
 
 # The reward classes of other folders are also reachable from this module (`rewards.HPSv2Reward`),
 # imported on first access (PEP 562) for the same reason as `_built_from`.
-_ELSEWHERE = {"ShapesReward": "demo.verifier", "ClipScoreReward": "scorers.clip", "HPSv2Reward": "scorers.clip", "PickScoreReward": "scorers.clip",
-              "AestheticReward": "scorers.clip", "ImageRewardReward": "scorers.imagereward", "GDinoReward": "scorers.composition",
-              "GDinoReleasedReward": "scorers.composition", "GitVqaReward": "scorers.composition"}
+_ELSEWHERE = {"ShapesReward": "demo.verifier", "ClipScoreReward": "scorers.clip",
+              "HPSv2Reward": "scorers.clip", "PickScoreReward": "scorers.clip",
+              "AestheticReward": "scorers.clip", "ImageRewardReward": "scorers.imagereward",
+              "GDinoReward": "scorers.composition", "GDinoReleasedReward": "scorers.composition",
+              "GitVqaReward": "scorers.composition"}
 
 
 def __getattr__(name):

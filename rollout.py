@@ -7,6 +7,13 @@ the canvas, U_i, P_i, the head's chosen transitions on *all* unknown positions U
 and the previews x̂0 of steps i and i−1; after the last step, the final tokens and, for every
 position, the z (and null z, and guidance w) it was generated from.
 
+"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the samplers that record a
+rollout, src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`; z
+recomputed by `single_forward_without_head`) and
+src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon, `sample_with_logp`), and the
+trainers that read it, src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and
+grpo_trainer_harmon_v1_2.py.
+
 Where this departs from the released trainers:
 1. The released trainers run the head on all L positions at kept steps; this file runs it on U_i,
    which gives the same distribution for the positions that matter for less work.
@@ -83,23 +90,26 @@ class RolloutRecord:
 
 
 class Recorder:
-    """The observer of `MaskedAR.generate` that records the steps of a RolloutPlan (None: nothing)."""
+    """The observer of `MaskedAR.generate` that records the steps of a RolloutPlan (None:
+    nothing)."""
 
     def __init__(self, plan):
         self.diff_steps = step_list(plan.diff_steps) if plan is not None else []
         self.chosen = set(plan.ar_steps) if plan is not None else set()
-        self.previewed = self.chosen | {i - 1 for i in self.chosen if i >= 1}  # steps whose x̂0 is needed
+        # steps whose x̂0 is needed
+        self.previewed = self.chosen | {i - 1 for i in self.chosen if i >= 1}
         self.previews, self.steps = {}, []
         self.z_final = self.z_final_null = self.cfg_final = None
 
     def wants(self, i):
-        """(the head samples all of U_i at step i, not only P_i; the diffusion steps to record or None)."""
+        """(the head samples all of U_i at step i, not only P_i; the diffusion steps to record or
+        None)."""
         return i in self.previewed, (self.diff_steps if i in self.chosen else None)
 
     def saw(self, i, tokens, unknown, pred, pos, z, w, canvas, traj):
         """Step i of the loop: tokens (B, L, C) the canvas it started from; unknown, pred (B, L) U_i
-        and P_i; pos (B, m) the positions the head sampled; z (B or 2B, L, D) ([cond; null] rows with
-        guidance); w its guidance; canvas (B, L, C) with the head's result at `pos`; traj: the
+        and P_i; pos (B, m) the positions the head sampled; z (B or 2B, L, D) ([cond; null] rows
+        with guidance); w its guidance; canvas (B, L, C) with the head's result at `pos`; traj: the
         head's recorded transitions ((K, B·m, C) each), or None."""
         B, L, C = tokens.shape
         if self.z_final is None:
@@ -115,19 +125,23 @@ class Recorder:
         if i in self.chosen:
             K, n = len(self.diff_steps), pos.shape[1]
             self.steps.append(StepRecord(
-                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=pos, cfg=float(w), diff_steps=traj["steps"],
+                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=pos, cfg=float(w),
+                diff_steps=traj["steps"],
                 **{key: traj[key].reshape(K, B, n, C) for key in ("x_t", "x_prev", "std", "logp")},
                 preview=canvas, preview_prev=self.previews.get(i - 1)))
 
     def record(self, orders, tokens):
-        return RolloutRecord(orders=orders, tokens=tokens, z_final=self.z_final, z_final_null=self.z_final_null,
-                             cfg_final=self.cfg_final, steps=self.steps)
+        return RolloutRecord(orders=orders, tokens=tokens, z_final=self.z_final,
+                             z_final_null=self.z_final_null, cfg_final=self.cfg_final,
+                             steps=self.steps)
 
 
 @torch.no_grad()
-def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0, plan=None,
-                   generator=None, orders=None):
-    """Generate B token grids with `model` and record the steps of `plan` (docs/method.md §3).
+def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temperature=1.0,
+                   plan=None, generator=None, orders=None):
+    """Generate B token grids with `model` and record the steps of `plan` (docs/method.md §3, what
+    a rollout records: per chosen AR step the canvas, U_i, P_i, the head's transitions on U_i and
+    the previews x̂0^(i), x̂0^(i−1); after the last step x_final, z_final and cfg_final).
 
     model: a mar.MaskedAR (MAR, Harmon, NOVA); inputs: dict of condition inputs for
     model.condition, batch B; num_iter: AR steps N; cfg: guidance w; cfg_schedule: "linear" |
@@ -140,5 +154,6 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
     device = next(model.parameters()).device
     orders = model.sample_orders(bsz, generator) if orders is None else orders.to(device)
     recorder = Recorder(plan)
-    tokens = model.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator, observer=recorder)
+    tokens = model.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator,
+                            observer=recorder)
     return tokens, recorder.record(orders, tokens)

@@ -27,7 +27,8 @@ torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core ma
 # -----------------------------------------------------------------------------
 # Each concept file copies alone
 
-# a snippet per set of files: it imports them and runs what they define, in a folder holding only them
+# a snippet per set of files: it imports them and runs what they define, in a folder holding only
+# them
 COPY_SETS = {
     "masks": (["masks.py"], """
         u = torch.rand(2, 10)
@@ -47,17 +48,22 @@ COPY_SETS = {
     "mte": (["mte.py", "diffloss.py"], """
         head = diffloss.DiffLoss(4, 8, depth=1, width=16, num_sampling_steps=6)
         z_final = torch.randn(2, 3, 8)
-        traj = mte.sample_trajectories(head, z_final, None, torch.ones(2, 3), 1.0, 4, [3, 1], torch.Generator().manual_seed(0))
+        traj = mte.sample_trajectories(head, z_final, None, torch.ones(2, 3), 1.0, 4, [3, 1],
+                                       torch.Generator().manual_seed(0))
         step = types.SimpleNamespace(unk_idx=torch.tensor([[0, 2], [1, 2]]), diff_steps=[3, 1])
         z = z_final.gather(1, step.unk_idx[..., None].expand(-1, -1, 8))
-        logp = mte.trajectory_logprobs(head, traj, step, z, None, 1.0, torch.tensor([[True, False], [False, True]]))
-        term = mte.mte_policy_term(torch.zeros(2, 2, 2, 4), logp, torch.ones(2, 2, dtype=torch.bool))
+        logp = mte.trajectory_logprobs(head, traj, step, z, None, 1.0,
+                                       torch.tensor([[True, False], [False, True]]))
+        term = mte.mte_policy_term(torch.zeros(2, 2, 2, 4), logp,
+                                   torch.ones(2, 2, dtype=torch.bool))
         assert traj["x0"].shape == (4, 2, 3, 4) and term.shape == (2, 2, 2, 4)"""),
     "mar": (["mar.py", "diffloss.py"], """
-        model = mar.MAR(img_size=8, vae_stride=1, patch_size=2, vae_embed_dim=3, encoder_embed_dim=16, encoder_depth=1,
-                        encoder_num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, class_num=3,
+        model = mar.MAR(img_size=8, vae_stride=1, patch_size=2, vae_embed_dim=3,
+                        encoder_embed_dim=16, encoder_depth=1, encoder_num_heads=2,
+                        decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, class_num=3,
                         buffer_size=2, diffloss_d=1, diffloss_w=16, num_sampling_steps="5").eval()
-        images = model.sample_tokens(2, num_iter=3, cfg=2.0, labels=torch.tensor([0, 2]), generator=torch.Generator().manual_seed(0))
+        images = model.sample_tokens(2, num_iter=3, cfg=2.0, labels=torch.tensor([0, 2]),
+                                     generator=torch.Generator().manual_seed(0))
         assert images.shape == (2, 3, 8, 8) and torch.isfinite(images).all()"""),
     "grpo": (["grpo.py", "mte.py", "masks.py", "diffloss.py"], """
         class Policy(torch.nn.Module):  # the policy interface, with no model file behind it
@@ -75,16 +81,22 @@ COPY_SETS = {
         model, B, L = Policy(), 2, 3
         unk = torch.tensor([[0, 2], [1, 2]])
         unknown = torch.zeros(B, L, dtype=torch.bool).scatter(1, unk, True)
-        z = model.guided_z(torch.zeros(B, L, 4), unknown.float(), model.with_null(model.condition(torch.tensor([0, 1]))), True)
+        z = model.guided_z(torch.zeros(B, L, 4), unknown.float(),
+                           model.with_null(model.condition(torch.tensor([0, 1]))), True)
         z_rows = torch.cat([z[:B].gather(1, unk[..., None].expand(-1, -1, 8)).reshape(-1, 8),
                             z[B:].gather(1, unk[..., None].expand(-1, -1, 8)).reshape(-1, 8)])
-        _, t = model.diffloss.sample(z_rows, 1.0, 2.0, torch.Generator().manual_seed(0), record_steps=[3, 1])
-        step = types.SimpleNamespace(tokens=torch.zeros(B, L, 4), unknown=unknown, pred=unknown, unk_idx=unk, cfg=2.0,
-                                     diff_steps=t["steps"], preview=torch.randn(B, L, 4), preview_prev=None,
-                                     **{k: t[k].reshape(2, B, 2, 4) for k in ("x_t", "x_prev", "std", "logp")})
-        record = types.SimpleNamespace(steps=[step], tokens=torch.randn(B, L, 4), z_final_null=z[B:])
+        _, t = model.diffloss.sample(z_rows, 1.0, 2.0, torch.Generator().manual_seed(0),
+                                     record_steps=[3, 1])
+        step = types.SimpleNamespace(tokens=torch.zeros(B, L, 4), unknown=unknown, pred=unknown,
+                                     unk_idx=unk, cfg=2.0, diff_steps=t["steps"],
+                                     preview=torch.randn(B, L, 4), preview_prev=None,
+                                     **{k: t[k].reshape(2, B, 2, 4)
+                                        for k in ("x_t", "x_prev", "std", "logp")})
+        record = types.SimpleNamespace(steps=[step], tokens=torch.randn(B, L, 4),
+                                       z_final_null=z[B:])
         adv = grpo.group_advantages(torch.tensor([0.0, 1.0]), 2)
-        loss, stats, _ = grpo.ar_step_loss(model, model, record, 0, dict(labels=torch.tensor([0, 1])), adv,
+        loss, stats, _ = grpo.ar_step_loss(model, model, record, 0,
+                                           dict(labels=torch.tensor([0, 1])), adv,
                                            grpo.GRPOSettings(**grpo.METHODS["mar-grpo"]))
         loss.backward()
         assert stats["logp_parity_err"] < 1e-5 and model.proj.weight.grad is not None"""),
@@ -102,14 +114,18 @@ def test_concept_files_copy_into_an_empty_folder_and_run(name, tmp_path):
     modules = ", ".join(f[:-3] for f in files)
     code = f"import types, torch\nimport {modules}\n" + textwrap.dedent(body) + textwrap.dedent(f"""
         import os, sys
-        def ours(path):  # a repository file; a virtual environment inside the checkout (CI's .ci/venv) is not
+        # a repository file; a virtual environment inside the checkout (CI's .ci/venv) is not
+        def ours(path):
             path = os.path.realpath(path or "")
-            return path.startswith({str(ROOT.resolve()) + os.sep!r}) and not path.startswith(os.path.realpath(sys.prefix) + os.sep)
-        mine = [m.__file__ for m in list(sys.modules.values()) if ours(getattr(m, "__file__", None))]
+            return (path.startswith({str(ROOT.resolve()) + os.sep!r})
+                    and not path.startswith(os.path.realpath(sys.prefix) + os.sep))
+        mine = [m.__file__ for m in list(sys.modules.values())
+                if ours(getattr(m, "__file__", None))]
         assert not mine, mine  # nothing was imported from the repository""")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -123,7 +139,8 @@ def test_transition_logprob_is_the_gaussian_density():
     expected = torch.distributions.Normal(mu, s).log_prob(x)
     torch.testing.assert_close(transition_logprob(x, mu, s), expected)
     # closed form at x = μ, s = 1: −½ log 2π
-    assert torch.allclose(transition_logprob(mu, mu, torch.ones_like(s)), torch.full_like(s, -0.5 * math.log(2 * math.pi)))
+    assert torch.allclose(transition_logprob(mu, mu, torch.ones_like(s)),
+                          torch.full_like(s, -0.5 * math.log(2 * math.pi)))
 
 
 
@@ -131,8 +148,9 @@ def test_transition_logprob_is_the_gaussian_density():
 # The objective: recorded = recomputed ℓ, masks.py, mte.py, grpo.py
 
 def test_recomputed_logp_equals_recorded():
-    """docs/method.md §2 parity at training batch shapes: ρ = 1 to 1e-5 (the objective's value and gradient
-    with every term active are pinned in tests/test_objective.py)."""
+    """docs/method.md §2 parity (the recomputed ℓ = −(x − μ)²/(2s²) − log s −
+    ½ log 2π equals the recorded one) at training batch shapes: ρ = 1 to 1e-5 (the objective's
+    value and gradient with every term active are pinned in tests/test_objective.py)."""
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0, temperature=0.8)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -151,13 +169,15 @@ def test_train_cfg_1_recomputes_without_guidance():
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    _, stats, _ = grpo.ar_step_loss(model, model, record, 1, cond, adv, grpo.GRPOSettings(train_cfg="1"))
+    _, stats, _ = grpo.ar_step_loss(model, model, record, 1, cond, adv,
+                                    grpo.GRPOSettings(train_cfg="1"))
     assert stats["logp_parity_err"] > 1e-3  # the released trainer's mismatch, made visible
 
 
 def test_top_k_mask_hand_built():
     u = torch.tensor([[0.1, 0.5, 0.5, 0.2, 0.9, 0.0, 0.3, 0.5, 0.4, 0.6]])
-    m = masks.top_k_mask(u, 0.3)  # k = int(10 · 0.3) = 3: 0.9, 0.6, then the first 0.5 (position 1)
+    # k = int(10 · 0.3) = 3: 0.9, 0.6, then the first 0.5 (position 1)
+    m = masks.top_k_mask(u, 0.3)
     assert m[0].nonzero().flatten().tolist() == [1, 4, 9]
     assert masks.top_k_mask(u, 0.29)[0].sum() == 2  # int(2.9) = 2
     assert masks.top_k_mask(u, 0.01)[0].nonzero().flatten().tolist() == [4]  # at least one
@@ -170,19 +190,26 @@ def test_top_k_mask_hand_built():
 
 
 def test_consistency_mask_hand_built():
-    final = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])  # (1, 5, 2)
+    # (1, 5, 2)
+    final = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
     prev = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [0.0, 1.0]]])
     cur = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]])
     # Δsim = [1, -1, 0, 0.7071, 0]
     unknown = torch.tensor([[True, True, True, True, False]])
     pred = torch.tensor([[False, True, False, False, False]])
-    torch.testing.assert_close(masks.delta_sim(cur, prev, final), torch.tensor([[1.0, -1.0, 0.0, 0.7071068, 0.0]]))
+    torch.testing.assert_close(masks.delta_sim(cur, prev, final),
+                               torch.tensor([[1.0, -1.0, 0.0, 0.7071068, 0.0]]))
     W = masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.0)
-    assert W.tolist() == [[True, True, False, True, False]]  # Δsim = 0 is not > κ; P always kept; K never
-    assert masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.8).tolist() == [[True, True, False, False, False]]
-    assert masks.consistency_mask(cur, prev, final, unknown, pred, threshold=-0.5).tolist() == [[True, True, True, True, False]]
-    assert masks.consistency_mask(cur, None, final, unknown, pred).tolist() == unknown.tolist()  # first AR step
-    assert masks.consistency_mask(cur, prev, final, unknown, pred, threshold=None).tolist() == unknown.tolist()
+    # Δsim = 0 is not > κ; P always kept; K never
+    assert W.tolist() == [[True, True, False, True, False]]
+    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.8).tolist()
+            == [[True, True, False, False, False]])
+    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=-0.5).tolist()
+            == [[True, True, True, True, False]])
+    # first AR step
+    assert masks.consistency_mask(cur, None, final, unknown, pred).tolist() == unknown.tolist()
+    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=None).tolist()
+            == unknown.tolist())
 
 
 def test_group_advantages():
@@ -191,7 +218,8 @@ def test_group_advantages():
     g = torch.tensor([1.0, 2.0, 3.0, 4.0])
     torch.testing.assert_close(adv[:4], (g - 2.5) / (g.std() + 1e-4))  # unbiased std, as released
     assert torch.equal(adv[4:8], torch.zeros(4))  # equal rewards: exactly zero, not NaN
-    torch.testing.assert_close(adv[8:], torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.5 / (0.5773503 + 1e-4))
+    torch.testing.assert_close(adv[8:],
+                               torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.5 / (0.5773503 + 1e-4))
     for G in range(2, 5):  # each group's advantages sum to zero, groups are independent
         x = torch.randn(4 * G, generator=torch.Generator().manual_seed(G))
         a = grpo.group_advantages(x, G).reshape(4, G)
@@ -202,12 +230,16 @@ def test_group_advantages():
 
 
 def test_kl_choices_closed_forms():
-    mean, mean_ref, std = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.0]), torch.tensor([0.5, 2.0])
-    torch.testing.assert_close(grpo.kl_term("gaussian", mean, mean_ref, std), torch.tensor([0.5, 0.0]))
-    gauss_kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std), torch.distributions.Normal(mean_ref, std))
+    mean, mean_ref, std = (torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.0]),
+                           torch.tensor([0.5, 2.0]))
+    torch.testing.assert_close(grpo.kl_term("gaussian", mean, mean_ref, std),
+                               torch.tensor([0.5, 0.0]))
+    gauss_kl = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
+                                                 torch.distributions.Normal(mean_ref, std))
     torch.testing.assert_close(grpo.kl_term("gaussian", mean, mean_ref, std), gauss_kl)
     d = torch.tensor(-0.5)
-    torch.testing.assert_close(grpo.kl_term("mean-k3", mean, mean_ref, std)[0], torch.exp(d) - d - 1)
+    torch.testing.assert_close(grpo.kl_term("mean-k3", mean, mean_ref, std)[0],
+                               torch.exp(d) - d - 1)
     logp, logp_ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0])
     torch.testing.assert_close(grpo.kl_term("k3", mean, mean_ref, std, logp, logp_ref),
                                torch.tensor([math.exp(-0.5) + 0.5 - 1, 0.0]))
@@ -215,7 +247,8 @@ def test_kl_choices_closed_forms():
         assert grpo.kl_term(kind, mean, mean, std, logp, logp).abs().max() == 0
     # k3 is an unbiased estimator of KL(π_θ || π_ref) on samples from π_θ
     x = mean[0] + std[0] * torch.randn(200000, generator=torch.Generator().manual_seed(0))
-    n_t, n_r = torch.distributions.Normal(mean[0], std[0]), torch.distributions.Normal(mean_ref[0], std[0])
+    n_t, n_r = (torch.distributions.Normal(mean[0], std[0]),
+                torch.distributions.Normal(mean_ref[0], std[0]))
     est = grpo.kl_term("k3", None, None, None, n_t.log_prob(x), n_r.log_prob(x)).mean()
     assert abs(est - 0.5) < 0.02
 
@@ -240,10 +273,13 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
         model.zero_grad()
         loss, stats, new_old = grpo.ar_step_loss(model, model, record, 1, cond, adv, cfg, old=old)
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, new_old, stats
+        return (loss.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                new_old, stats)
 
     l1, g1, old, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=1))
-    l2, g2, _, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.2))  # first epoch: clip cannot bind
+    # first epoch: clip cannot bind
+    l2, g2, _, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.2))
     assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
     # a later epoch after a parameter change: ρ moves away from 1 and clipping is reported
     with torch.no_grad():
@@ -260,9 +296,11 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     fixed = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
     l0, g0 = loss_and_grads(model, record, cond, adv, fixed)
-    # the mar-grpo path, run with trajectories but an empty uncertainty mask and a threshold that keeps all
-    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                    0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
+    # the mar-grpo path, run with trajectories but an empty uncertainty mask and a threshold that
+    # keeps all
+    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
+                                   record.cfg_final, 0.9, 3, record.steps[0].diff_steps,
+                                   torch.Generator().manual_seed(1))
     off = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], consistency_threshold=-3.0))
     empty = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.0)
     l1, g1 = loss_and_grads(model, record, cond, adv, off, traj, empty)
@@ -270,7 +308,8 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
     assert not any(n.startswith("diffloss.") for n in g0)  # a frozen head gets no gradient
     # switching the components on changes the gradient
     on = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
-    l2, g2 = loss_and_grads(model, record, cond, adv, on, traj, masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.3))
+    l2, g2 = loss_and_grads(model, record, cond, adv, on, traj,
+                            masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.3))
     assert any(not torch.allclose(g0[n], g2[n]) for n in g0)
     # end-to-end GRPO: the head trains
     for p in model.diffloss.parameters():
@@ -285,16 +324,19 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                    0.9, 3, record.steps[0].diff_steps, torch.Generator().manual_seed(1))
+    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
+                                   record.cfg_final, 0.9, 3, record.steps[0].diff_steps,
+                                   torch.Generator().manual_seed(1))
     uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.5)  # (B, L)
     released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
     predicted = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], mte_positions="predicted"))
-    def grad(j, cfg, unc):  # the loss's gradient at AR step j, flattened over the trained parameters
+    # the loss's gradient at AR step j, flattened over the trained parameters
+    def grad(j, cfg, unc):
         model.zero_grad()
         loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj, unc)
         loss.backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
+        return (torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]),
+                stats)
 
     differ = 0
     for j, step in enumerate(record.steps):
@@ -311,27 +353,33 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
 
 
 def test_mte_gradient_has_zero_mean_where_the_trajectories_were_drawn():
-    """A property of MTE (docs/method.md §4): the trajectories are drawn from the head under z_final,
-    with each token's τ and w. On P_i they are evaluated under that same z (z_i = z_final), so each
+    """A property of MTE (docs/method.md §4: u_p = mean_c std_s x0, M_unc = top-k%, and on M_unc
+    the π-term (1/S) Σ_s ρ^(s)A): the trajectories are drawn from the head under z_final, with
+    each token's τ and w. On P_i they are evaluated under that same z (z_i = z_final), so each
     trajectory's ∇_z ℓ is the score of the distribution it was drawn from, whose mean is zero:
-    E_{x ~ p(·|z)} ∇_z log p(x | z) = 0. The term (1/S) Σ_s ρ⁽ˢ⁾A therefore carries no gradient in
-    expectation there (noise shrinking as 1/√S): on P_i, MTE removes the uncertain tokens from the
-    policy gradient. Under another z (U_i outside P_i, the released placement) the mean does not
-    vanish."""
+    E_{x ~ p(·|z)} ∇_z log p(x | z) = 0. The term (1/S) Σ_s ρ⁽ˢ⁾A therefore carries no
+    gradient in expectation there (noise shrinking as 1/√S): on P_i, MTE removes the uncertain
+    tokens from the policy gradient. Under another z (U_i outside P_i, the released placement) the
+    mean does not vanish."""
     torch.manual_seed(0)
     head = DiffLoss(3, 16, 2, 32, "16", clip_denoised=True)
-    with torch.no_grad():  # a head whose output depends on z (the official init zeroes the last layer)
+    # a head whose output depends on z (the official init zeroes the last layer)
+    with torch.no_grad():
         for p in head.parameters():
             p.add_(0.2 * torch.randn_like(p))
     L, S, D = 4, 2048, 16
     z_final = torch.randn(1, L, D)
     steps = torch.tensor([4, 2, 1])
-    traj = mte.sample_trajectories(head, z_final, None, None, 0.7, S, steps, torch.Generator().manual_seed(1))
+    traj = mte.sample_trajectories(head, z_final, None, None, 0.7, S, steps,
+                                   torch.Generator().manual_seed(1))
 
-    def grad_z(z_eval, s):  # ∇_z of the mean ℓ over the trajectories `s` (a slice), all evaluated under z_eval
+    # ∇_z of the mean ℓ over the trajectories `s` (a slice), all evaluated under z_eval
+    def grad_z(z_eval, s):
         z = z_eval.clone().requires_grad_(True)
-        x_t, x_prev, std = (traj[key][s].transpose(0, 1) for key in ("x_t", "x_prev", "std"))  # (K, S', 1, L, C)
-        mean = diffloss.transition_mean(head, x_t, steps, z.expand(x_t.shape[1], 1, L, D), None, 1.0)
+        # (K, S', 1, L, C)
+        x_t, x_prev, std = (traj[key][s].transpose(0, 1) for key in ("x_t", "x_prev", "std"))
+        mean = diffloss.transition_mean(head, x_t, steps, z.expand(x_t.shape[1], 1, L, D), None,
+                                        1.0)
         return torch.autograd.grad(transition_logprob(x_prev, mean, std).sum() / x_t.shape[1], z)[0]
 
     def ratio(z_eval):  # |mean over S trajectories| / mean |one trajectory|
@@ -343,22 +391,27 @@ def test_mte_gradient_has_zero_mean_where_the_trajectories_were_drawn():
 
 
 def test_policy_positions_predicted_keeps_exactly_the_tokens_written_at_the_step(monkeypatch):
-    """--policy-positions predicted: W = P_i, the tokens the trained step wrote into the image (the
-    released W = U_i ∧ (H ∨ P_i) always contains P_i, so the consistency mask no longer matters)."""
+    """--policy-positions predicted: W = P_i, the tokens the trained step wrote into the image
+    (the released W = U_i ∧ (H ∨ P_i) always contains P_i, so the consistency mask no longer
+    matters)."""
     model = tiny_mar()
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0)
-    predicted = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0, policy_positions="predicted")
+    predicted = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0,
+                                  policy_positions="predicted")
     got = loss_and_grads(model, record, cond, adv, predicted)
-    assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])  # P_i ⊊ U_i: the test can tell
+    # P_i ⊊ U_i: the test can tell
+    assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])
     real = masks.consistency_mask
-    monkeypatch.setattr(masks, "consistency_mask", lambda preview, prev, final, unknown, pred, threshold: pred & unknown)
+    monkeypatch.setattr(masks, "consistency_mask",
+                        lambda preview, prev, final, unknown, pred, threshold: pred & unknown)
     want = loss_and_grads(model, record, cond, adv, released)
     monkeypatch.setattr(masks, "consistency_mask", real)
     broad = loss_and_grads(model, record, cond, adv, released)
-    assert got[0] == pytest.approx(want[0], rel=1e-6) and got[0] != pytest.approx(broad[0], rel=1e-3)
+    assert (got[0] == pytest.approx(want[0], rel=1e-6)
+            and got[0] != pytest.approx(broad[0], rel=1e-3))
     for name, g in want[1].items():
         torch.testing.assert_close(got[1][name], g)
 
@@ -368,18 +421,22 @@ def test_mte_trajectories_are_one_batched_head_call(monkeypatch):
     record, _ = make_rollout(model)
     calls = []
     real = model.diffloss.sample
-    monkeypatch.setattr(model.diffloss, "sample", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                                    0.9, 3, torch.tensor([8, 5, 2]), torch.Generator().manual_seed(0))
+    monkeypatch.setattr(model.diffloss, "sample",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
+                                   record.cfg_final, 0.9, 3, torch.tensor([8, 5, 2]),
+                                   torch.Generator().manual_seed(0))
     assert calls == [torch.Size([2 * 3 * 4 * 16, 32])]
     assert traj["x_t"].shape == (3, 3, 4, 16, 48) and traj["x0"].shape == (3, 4, 16, 48)
     # seed s of position p is a head trajectory from z_final[p] with that token's guidance w
     g = torch.Generator().manual_seed(0)
     S, B, L = 3, 4, 16
-    z = torch.cat([record.z_final.expand(S, B, L, 32).reshape(-1, 32), record.z_final_null.expand(S, B, L, 32).reshape(-1, 32)])
+    z = torch.cat([record.z_final.expand(S, B, L, 32).reshape(-1, 32),
+                   record.z_final_null.expand(S, B, L, 32).reshape(-1, 32)])
     x0 = real(z, 0.9, record.cfg_final.expand(S, B, L).reshape(-1), g)
     torch.testing.assert_close(traj["x0"], x0.reshape(S, B, L, 48))
-    assert len(set(record.cfg_final.flatten().tolist())) > 1  # tokens of different steps, different w
+    # tokens of different steps, different w
+    assert len(set(record.cfg_final.flatten().tolist())) > 1
     u = masks.token_uncertainty(traj["x0"])
     assert u.shape == (4, 16) and (u > 0).all()
 
