@@ -1,43 +1,48 @@
-"""Evaluation: generate images for prompts with fixed seeds, score them, write them; and the paper's
-metric table.
+"""Evaluation: images for prompts with fixed seeds, scored; each model at its best sampling
+temperature; the paper's tables.
 
-`evaluate` is what `python train.py` runs on the base and the tuned model (the same prompts and
-seeds for both) and what `python train.py --eval-only` runs on a checkpoint. Generation goes
-through rollout.record_rollout with nothing recorded, so it is the same loop, and the same noise,
-for MAR, Harmon and NOVA. Under torchrun every rank generates a slice and sends it to rank 0,
-which alone holds all the images and writes them.
+One loop, `generate_and_score`, makes and scores every evaluation image (train.py's before/after
+evaluation, --eval-only, the table), through rollout.record_rollout with nothing recorded: the
+same loop and noise for MAR, Harmon and NOVA. Batch b of the (prompt, image) list is drawn from a
+generator seeded by (--seed, the evaluation's seed stage, b) on rank b mod world: an image depends
+on the seed, the batch size and the device type, never on the checkpoint, the temperature or the
+number of processes, so every model and temperature is scored on the same noise.
+
+A lower sampling temperature τ sharpens a model, dropping low-probability modes, which is much of
+what a short RL run does (experiments/study.md). So models are compared each at its best τ:
+`temperature_sweep` scores a model at every τ of --eval-temperatures (× --eval-cfgs) on a choice
+split and on the reported one, `best_setting` picks the τ whose choice split scores highest, and
+a gain is the tuned model's reported split at its best τ minus its base's at the base's best
+(`gain_at_best`). In the shapes world: chosen on the training split (fresh seeds), reported held
+out, by the strict accuracy (every check passes), a share of all images, with how images fail
+beside it (`summarize`).
 
 The paper's table (`python evaluate.py --help`):
 
     python evaluate.py --ckpt base=PATH --ckpt tuned=PATH --prompts FILE --images-per-prompt 4 \\
-        --seed 0 --reward hpsv2,imagereward,pickscore --reward-ckpt hpsv2=... --out DIR [train.py flags]
+        --seed 0 --reward hpsv2,imagereward,pickscore --reward-ckpt hpsv2=... --out DIR [flags]
+        [--sweep --eval-temperatures 0.1,0.2,0.3,0.5,0.7,1 --choose-prompts TRAIN_FILE]
 
-generates N images per prompt for every checkpoint with the same seeds, scores each image with
-each named reward on its own, and writes DIR/NAME/images/*.png, DIR/NAME/scores.jsonl (one line
-per image: prompt, prompt and image index, file, one raw score per reward) and DIR/table.md and
-DIR/table.json (rows: checkpoints; columns: rewards as the papers print them, "mean ± SEM").
-Every flag it does not define itself (--model, --preset, --prompts, --seed, --reward,
---reward-ckpt, the sampling flags, ...) is train.py's, with train.py's defaults and checks.
-
-With --compbench (and --prompts FILE.jsonl, the released records) the columns are T2I-CompBench's
-categories instead: each image is scored by its record's category evaluator (scorers/compbench.py), each
-cell is the mean ± SEM over that category's images, and the departures from the benchmark are
-printed under the table.
+writes DIR/NAME/images/*.png and DIR/NAME/scores.jsonl (a line per image: prompt, indices, file, a
+raw score per reward, the verifier's checks for shapes prompts), DIR/table.md and table.json (rows:
+checkpoints; columns: rewards as the papers print them, "mean ± SEM"). With --sweep the rows are
+each checkpoint at --temperature and at its best τ (chosen on --choose-prompts), with the gain over
+the first at its own best; DIR/sweep.md holds every cell. The sampling, model, processes,
+evaluation and reward-service flags are train.py's (infra/flags.py). With --compbench (and the
+released records as --prompts) the columns are T2I-CompBench's categories (scorers/compbench.py).
 
 Where the table departs from what the papers state:
-1. Seeds are per batch: batch b of the fixed (prompt, image) list is drawn from a generator seeded
-   by (--seed, b) on the run's device, so an image depends on the seed, --batch-size and the device
-   type, never on the checkpoint or the number of processes (batch b runs on rank b mod world).
+1. Seeds are per batch (above).
 2. The SEM is over images (n = prompts × images per prompt), std(ddof=1) / sqrt(n); images of one
    prompt are not independent, so it understates the spread over prompt sets.
 3. Under torchrun each rank writes its own PNGs (DIR must be one shared folder, as in DiT's
    sample_ddp.py); the scores are gathered and rank 0 writes the rest.
 """
 
+import importlib
 import json
 import math
 import os
-import re
 import sys
 
 import numpy as np
@@ -48,210 +53,69 @@ from tqdm import tqdm
 
 import rewards
 import rollout
-from demo import shapes
-from infra import flags, processes, prompt_records
+from demo import verifier
+from infra import flags, processes, prompt_records, tables
 from models import loading
-from scorers import compbench, remote
+
+SEED_STAGE = processes.SEED_STAGES["evaluation"]  # seeded(device, --seed, SEED_STAGE, batch)
+SHAPES_CATEGORIES = ("single", "two_objects", "counting", "spatial")  # demo/shapes.py's
 
 
 @torch.no_grad()
-def generate(model, codec, inputs, args, generator):
-    """Images (B, 3, H, W) in [0, 1] for condition inputs of batch B, at the run's sampling flags."""
-    tokens, _ = rollout.record_rollout(model, inputs, args.num_iter, args.cfg, args.cfg_schedule,
-                                       args.temperature if args.eval_temperature is None else args.eval_temperature,
-                                       generator=generator)
+def generate(model, codec, inputs, args, generator, temperature=None, cfg=None):
+    """Images (B, 3, H, W) in [0, 1] for condition inputs of batch B, at the run's sampling flags,
+    or at `temperature` and guidance `cfg` where given."""
+    cfg = args.cfg if cfg is None else cfg
+    temperature = args.temperature if temperature is None else temperature
+    tokens, _ = rollout.record_rollout(model, inputs, args.num_iter, cfg, args.cfg_schedule,
+                                       temperature, generator=generator)
     return codec.decode(model.unpatchify(tokens).float())
 
 
 @torch.no_grad()
-def evaluate(args, ctx, model, codec, items, prompts, reward_fn, out_dir, tag):
-    """Generate args.eval_images_per_prompt images for each item, score them with reward_fn (via
-    rewards.score, the guarded call), and write images/, results.jsonl (one line per image:
-    prompt, file, reward, category, per-check details) and summary.json. Returns the summary."""
-    model.eval()
-    jobs = [(i, it) for i, it in enumerate(items) for _ in range(args.eval_images_per_prompt)]
-    mine = jobs[ctx.rank::ctx.world]
-    rows, batch = [], 64
-    if ctx.master:
-        os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-    for b0 in tqdm(range(0, len(mine), batch), disable=not ctx.master, desc=f"eval {tag}"):
-        chunk = mine[b0:b0 + batch]
-        its = [it for _, it in chunk]
-        with ctx.autocast():
-            images = generate(model, codec, prompts.condition(its, ctx.device), args, ctx.generator(6, b0))
-        scores, info = rewards.score(reward_fn, args.reward, images, prompts.texts(its), prompts.metas(its))
-        details = info.get("details", [{}] * len(its))
-        for k, ((i, it), img) in enumerate(zip(chunk, images)):
-            rows.append(dict(index=i, prompt=prompts.texts([it])[0], reward=float(scores[k]),
-                             category=it.get("category") if isinstance(it, dict) else None,
-                             details=details[k], image=img.cpu()))
-    if ctx.ddp:  # rank 0 alone receives the images and writes them
-        gathered = [None] * ctx.world if ctx.master else None
-        dist.gather_object(rows, gathered, dst=0)
-        rows = [r for part in gathered for r in part] if ctx.master else []
-    summary = {}
-    if ctx.master:
-        rows.sort(key=lambda r: r["index"])
-        with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
-            for k, r in enumerate(rows):
-                name = f"images/{k:05d}.png"
-                arr = (r.pop("image").clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
-                Image.fromarray(arr).save(os.path.join(out_dir, name))
-                f.write(json.dumps({"prompt": r["prompt"], "file": name, "reward": r["reward"],
-                                    "category": r["category"], "details": r["details"]}) + "\n")
-        summary = summarize(rows)
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    ctx.barrier()
-    return summary
-
-
-def group_diversity(images, G):
-    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
-    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
-    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
-    return d.sum() / (d.shape[0] * G * (G - 1))
-
-
-def summarize(rows):
-    """Mean reward, and for shapes prompts the accuracy (all checks pass) by category."""
-    out = {"n": len(rows), "reward_mean": float(np.mean([r["reward"] for r in rows]))}
-    checked = [r for r in rows if "correct" in (r["details"] or {})]
-    if checked:
-        out["accuracy"] = float(np.mean([r["details"]["correct"] for r in checked]))
-        for cat in shapes.CATEGORIES:
-            sel = [r for r in checked if r["category"] == cat]
-            if sel:
-                out[f"accuracy/{cat}"] = float(np.mean([r["details"]["correct"] for r in sel]))
-                out[f"reward/{cat}"] = float(np.mean([r["reward"] for r in sel]))
-    return out
-
-
-def print_report(out, report):
-    """The before/after table of `python train.py`'s last stage."""
-    titles = {"": "held-out prompts (never seen in pretraining or RL)", "_train": "training-split prompts, fresh seeds"}
-    for suffix, title in titles.items():
-        before, after = report.get("base" + suffix), report.get("tuned" + suffix)
-        if before is None:
-            continue
-        print(f"\n{title}, {before['n']} images:")
-        print(f"  {'metric':<26}{'base':>8}{'tuned':>8}")
-        for k in [k for k in before if k.startswith("accuracy") or k.startswith("reward")]:
-            print(f"  {k:<26}{before[k]:>8.3f}{after.get(k, float('nan')):>8.3f}")
-    print(f"\nfiles: {out}/ (metrics.jsonl, curves.png, samples/, ckpt/, eval/)")
-
-
-# -----------------------------------------------------------------------------
-# The paper's table: `python evaluate.py --ckpt NAME=PATH ... --reward hpsv2,imagereward,pickscore`
-
-# reward name -> its columns: (key in scores.jsonl, label as the papers print it, scale, decimals);
-# HPS is a cosine that papers print ×100 (0.2676 -> 26.76); CLIP score and PickScore are already ×100
-COLUMNS = {
-    "hpsv2": [("hpsv2", "HPS v2 (×100)", 100.0, 2)],
-    "imagereward": [("imagereward", "ImageReward", 1.0, 3)],
-    "pickscore": [("pickscore", "PickScore", 1.0, 2)],
-    "clip_score": [("clip_score", "CLIP score", 1.0, 2)],
-    "aesthetic": [("aesthetic", "Aesthetic", 1.0, 2)],
-    "shapes": [("shapes_accuracy", "Shapes accuracy", 1.0, 3), ("shapes", "Shapes reward", 1.0, 3)],
-}  # any other reward: one column of its name, as is (e.g. jpeg_incompressibility, kB)
-SEED_STAGE = 10  # the table's generators: seeded(device, seed, SEED_STAGE, batch); train.py uses 1..8
-
-
-def table_parser():
-    p = processes.Parser(prog="evaluate.py", allow_abbrev=False, description="The paper's table: N images per prompt "
-                     "for every checkpoint with the same seeds, each scored by each --reward on its own.",
-                     epilog="Every other flag is train.py's (python train.py --help): --model, --preset, --prompts, "
-                            "--seed, --reward (names, comma-separated), --reward-ckpt, the sampling flags.")
-    a = p.add_argument
-    a("--ckpt", action="append", default=[], metavar="NAME=PATH", help="a checkpoint and its row name (repeatable; "
-      "NOVA: the first is the pipeline folder whose vae/ decodes, unless --vae)")
-    a("--images-per-prompt", type=flags.POS_INT, default=1, help="images generated per prompt and checkpoint")
-    a("--batch-size", type=flags.POS_INT, default=16, help="images per generated batch (each batch has its own seed)")
-    a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, table.json")
-    a("--compbench", action="store_true", help="the T2I-CompBench table (scorers/compbench.py) instead of the --reward columns: "
-      "--prompts is the released records (.jsonl), each image scored by its task type's evaluator")
-    a("--compbench-ckpt", action="append", default=[], metavar="KEY=PATH",
-      help="T2I-CompBench weights: blip_vqa=FOLDER, gdino=FOLDER, clip=ViT-B-32.pt (repeatable)")
-    return p
-
-
-def parse_table_args(argv=None):
-    """This file's flags, then train.py's for the rest; checks the inputs (`check_table_inputs`)."""
-    own, rest = table_parser().parse_known_args(argv)
-    if not own.out.strip():
-        raise ValueError("--out '': give the table's folder")
-    args = flags.parse_args(rest)
-    args.out, args.images_per_prompt, args.batch_size = own.out, own.images_per_prompt, own.batch_size
-    args.compbench = own.compbench
-    args.compbench_weights = compbench.parse_weights(own.compbench_ckpt, own.compbench)
-    args.ckpts = parse_ckpts(own.ckpt)
-    args.init = args.ckpts[0][1]  # where loading.load_codec looks for NOVA's vae/ folder
-    check_table_inputs(args)
-    return args
-
-
-def parse_ckpts(values):
-    """['base=a.pt', 'tuned=b.pt'] -> [('base', 'a.pt'), ('tuned', 'b.pt')]; one-line errors."""
-    if not values:
-        raise ValueError("--ckpt: give at least one checkpoint as NAME=PATH")
-    out = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not path or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-            raise ValueError(f"--ckpt {value!r}: write NAME=PATH, NAME of letters, digits, '.', '_', '-' (a folder name)")
-        if name in [n for n, _ in out]:
-            raise ValueError(f"--ckpt {name}: the name is given twice")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--ckpt {name}={path}: no such file or folder")
-        out.append((name, path))
-    return out
-
-
-def reward_names(spec):
-    """The --reward names; a weight is refused (the table scores every reward on its own)."""
-    if ":" in (spec or ""):
-        raise ValueError(f"--reward {spec}: the table scores each reward on its own; list names without weights")
-    return [name for name, _ in rewards.parse_reward_spec(spec)]  # an unknown name fails now
-
-
-def check_table_inputs(args):
-    """Files and cross-flag rules, before anything is loaded or written: one-line errors naming the flag."""
-    if args.compbench and not (args.prompts and prompt_records.is_record_file(args.prompts)):
-        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records (infra/prompt_records.py)")
-    flags.check_model_inputs(args, None if args.compbench else reward_names(args.reward))
-
-
-@torch.no_grad()
-def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_dir):
-    """args.images_per_prompt images for each of `items`, each scored by every reward of
-    `reward_fns` ({name: Reward}) through rewards.score. Batch b of the (prompt, image)
-    list runs on rank b mod world with the generator seeded by (args.seed, SEED_STAGE, b). Every
+def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_dir,
+                       temperature=None, cfg=None):
+    """args.eval_images_per_prompt images for each of `items`, each scored by every reward of
+    `reward_fns` ({name: Reward}) through rewards.score, at `temperature` and `cfg` (default: the
+    run's). Batches of args.eval_batch_size; batch b on rank b mod world (module docstring). Every
     rank writes its images to out_dir/images/; rank 0 writes out_dir/scores.jsonl. Returns the
-    rows of scores.jsonl, sorted (every rank gets all of them)."""
-    jobs = [(i, j) for i in range(len(items)) for j in range(args.images_per_prompt)]
-    batches = [jobs[b0:b0 + args.batch_size] for b0 in range(0, len(jobs), args.batch_size)]
+    rows of scores.jsonl, sorted (every rank gets all of them): prompt, prompt_index, image_index,
+    file, one column per reward, and for shapes prompts the verifier's `details`,
+    `shapes_accuracy` (1 where every check passes) and `category`."""
+    model.eval()
+    jobs = [(i, j) for i in range(len(items)) for j in range(args.eval_images_per_prompt)]
+    size = args.eval_batch_size
+    batches = [jobs[b0:b0 + size] for b0 in range(0, len(jobs), size)]
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     rows = []
-    for b in tqdm(range(ctx.rank, len(batches), ctx.world), disable=not ctx.master, desc=os.path.basename(out_dir)):
+    for b in tqdm(range(ctx.rank, len(batches), ctx.world), disable=not ctx.master,
+                  desc=os.path.relpath(out_dir, args.out) if args.out else out_dir, leave=False):
         its = [items[i] for i, _ in batches[b]]
         texts, metas = prompts.texts(its), prompts.metas(its)
+        generator = processes.seeded(ctx.device, args.seed, SEED_STAGE, b)
         with ctx.autocast():
-            images = generate(model, codec, prompts.condition(its, ctx.device), args,
-                              processes.seeded(ctx.device, args.seed, SEED_STAGE, b))  # (B, 3, H, W) in [0, 1]
-        columns = {}
+            images = generate(model, codec, prompts.condition(its, ctx.device), args, generator,
+                              temperature, cfg)  # (B, 3, H, W) in [0, 1]
+        columns, details = {}, None
         for name, reward_fn in reward_fns.items():
             scores, info = rewards.score(reward_fn, name, images, texts, metas)  # (B,)
             columns[name] = scores.tolist()
-            if name == "shapes":  # accuracy: every check of the verifier passes
-                columns["shapes_accuracy"] = [float(d["correct"]) for d in info["details"]]
+            details = details or info.get("details")  # the shapes verifier's checks, per image
         for k, (i, j) in enumerate(batches[b]):
             file = f"images/{i:05d}_{j:03d}.png"
-            pixels = (images[k].float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0)  # (H, W, 3) uint8
+            pixels = (images[k].float().clamp(0, 1) * 255).round().byte()  # (3, H, W)
+            pixels = pixels.permute(1, 2, 0)  # (H, W, 3)
             Image.fromarray(pixels.cpu().numpy()).save(os.path.join(out_dir, file))
-            task = its[k].get("task_type") if isinstance(its[k], dict) else None  # a released record's
-            rows.append(dict(prompt=texts[k], prompt_index=i, image_index=j, file=file,
-                             **({"task_type": task} if task else {}), **{key: values[k] for key, values in columns.items()}))
-    if ctx.ddp:
+            row = dict(prompt=texts[k], prompt_index=i, image_index=j, file=file,
+                       **{key: values[k] for key, values in columns.items()})
+            task = its[k].get("task_type") if isinstance(its[k], dict) else None  # a record's
+            if task:
+                row["task_type"] = task
+            if details is not None:
+                row.update(shapes_accuracy=float(details[k]["correct"]),
+                           category=its[k]["category"], details=details[k])
+            rows.append(row)
+    if ctx.ddp:  # the rows (no images) to every rank
         gathered = [None] * ctx.world
         dist.all_gather_object(gathered, rows)
         rows = [r for part in gathered for r in part]
@@ -263,38 +127,260 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
     return rows
 
 
-def mean_sem(values):
-    """{"mean", "sem", "n"}: the mean and its standard error std(ddof=1) / sqrt(n) (None for n = 1)."""
-    x = np.asarray(values, dtype=np.float64)  # (n,)
-    sem = float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
-    return {"mean": float(x.mean()), "sem": sem, "n": len(x)}
+# -----------------------------------------------------------------------------
+# What the rows say: strict accuracy and how images fail, a share of all images
+
+def summarize(rows, reward_names=()):
+    """A split's figures from generate_and_score's rows: n, the mean of every reward of
+    `reward_names`; for shapes prompts the strict accuracy (a share of all images), the share of
+    each failure mode, the accuracy per category and, for spatial prompts, the share of all spatial
+    images whose two objects are each drawn once with the relation right ("relation_right"), the
+    images with both objects drawn ("both") and the relation's rate among them
+    ("relation_given_both", the conditional rate, never a headline alone)."""
+    out = {"n": len(rows)}
+    for name in reward_names:
+        cell = tables.mean_sem([r[name] for r in rows])
+        out.update({name: cell["mean"], f"{name}_sem": cell["sem"]})
+    checked = [r for r in rows if "details" in r]
+    if not checked:
+        return out
+    modes = [verifier.failure(r["details"]) for r in checked]
+    out["accuracy"] = float(np.mean([r["details"]["correct"] for r in checked]))
+    per_prompt = {}
+    for r in checked:
+        per_prompt.setdefault(r["prompt_index"], []).append(bool(r["details"]["correct"]))
+    if len({len(v) for v in per_prompt.values()}) == 1 and len(next(iter(per_prompt.values()))) > 1:
+        n = len(next(iter(per_prompt.values())))  # images per prompt: pass@k for k = 1 … n
+        out["pass_at"] = {k: float(np.mean([pass_at(n, sum(v), k) for v in per_prompt.values()]))
+                          for k in range(1, n + 1)}
+    out["failures"] = {mode: modes.count(mode) / len(checked) for mode in verifier.FAILURES}
+    for cat in SHAPES_CATEGORIES:
+        sel = [r for r in checked if r["category"] == cat]
+        if sel:
+            out[f"accuracy/{cat}"] = float(np.mean([r["details"]["correct"] for r in sel]))
+    spatial = [r["details"] for r in checked if r["category"] == "spatial"]
+    if spatial:
+        both = [d for d in spatial if d["present"]]
+        right = [d["relation"] is True for d in both]
+        right_once = [d["count"] and d["relation"] is True for d in spatial]
+        out.update(spatial_n=len(spatial), both=len(both),
+                   relation_right=float(np.mean(right_once)),
+                   relation_given_both=float(np.mean(right)) if both else 0.0)
+    return out
 
 
-def table_columns(names):
-    """The table's columns for reward names, in order: dicts of key, reward, label, scale, decimals."""
-    return [dict(key=key, reward=name, label=label, scale=scale, decimals=decimals)
-            for name in names for key, label, scale, decimals in COLUMNS.get(name, [(name, name, 1.0, 2)])]
+def pass_at(n, c, k):
+    """The unbiased pass@k of n images of a prompt, c of them correct: 1 − C(n−c, k) / C(n, k),
+    the chance that k images drawn from the n hold a correct one (what sampling reaches at all)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def table_row(name, path, rows, columns):
-    """One checkpoint's row: each column's mean ± SEM over images (of its category, for a column with a
-    `task`), in the column's printed scale."""
-    pick = lambda c: [r for r in rows if c.get("task") in (None, r.get("task_type"))]
-    return {"name": name, "ckpt": path, "n": len(rows),
-            "cells": {c.get("id", c["key"]): mean_sem([c["scale"] * r[c["key"]] for r in pick(c)]) for c in columns}}
+def binomial_sem(p, n):
+    """The binomial standard error of a rate p over n images, sqrt(p (1 − p) / n)."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
-def table_markdown(table):
-    """The table as markdown: a caption line, then rows = checkpoints, cells "mean ± SEM"."""
-    cols = table["columns"]
-    fmt = lambda cell, d: f"{cell['mean']:.{d}f}" + ("" if cell["sem"] is None else f" ± {cell['sem']:.{d}f}")
-    lines = [f"{table['num_prompts']} prompts × {table['images_per_prompt']} images per checkpoint, seed "
-             f"{table['seed']}; mean ± standard error of the mean over images", "",
-             "| checkpoint | " + " | ".join(c["label"] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines += ["| " + " | ".join([row["name"]] + [fmt(row["cells"][c.get("id", c["key"])], c["decimals"]) for c in cols]) + " |"
-              for row in table["rows"]]
-    lines += [""] + [f"{k}. {note}" for k, note in enumerate(table.get("notes", []), 1)] if table.get("notes") else []
-    return "\n".join(lines) + "\n"
+# -----------------------------------------------------------------------------
+# Each model at its best sampling temperature
+
+def temperature_sweep(score, temperatures, cfgs=(None,), choose_on="train", keys=("accuracy",)):
+    """A model scored at every sampling setting (τ of `temperatures` × guidance of `cfgs`, None:
+    the run's), its best chosen on one split by the first of `keys` its summaries hold.
+
+    score(temperature, cfg) -> {split: summary dict holding a key and "n"}. Returns {"cells":
+    [{"temperature", "cfg", "split", **summary}, ...], "best": the chosen {"temperature", "cfg"},
+    "choose_on", "key"}."""
+    cells = [dict(temperature=t, cfg=w, split=split, **summary)
+             for t in temperatures for w in cfgs for split, summary in score(t, w).items()]
+    key = next((k for k in keys if k in cells[0]), None)
+    if key is None:
+        raise ValueError(f"the sweep's summaries hold none of {list(keys)}")
+    sweep = dict(cells=cells, choose_on=choose_on, key=key)
+    sweep["best"] = best_setting(sweep)
+    return sweep
+
+
+def best_setting(sweep):
+    """The setting whose choice split scores highest on the sweep's key; among equal ones the
+    highest τ (the least sharpening), then the lowest guidance. Returns {"temperature", "cfg"}."""
+    pool = [c for c in sweep["cells"] if c["split"] == sweep["choose_on"]]
+    if not pool:
+        raise ValueError(f"the sweep has no cell of the choice split {sweep['choose_on']!r}")
+    best = max(pool, key=lambda c: (c[sweep["key"]], c["temperature"], -(c["cfg"] or 0)))
+    return {"temperature": best["temperature"], "cfg": best["cfg"]}
+
+
+def cell(sweep, split, setting=None):
+    """The sweep's summary of `split` at `setting` ({"temperature", "cfg"}; default: its best)."""
+    setting = setting or sweep["best"]
+    for c in sweep["cells"]:
+        same = c["temperature"] == setting["temperature"] and c["cfg"] == setting["cfg"]
+        if c["split"] == split and same:
+            return c
+    raise KeyError(f"no cell of split {split!r} at {setting}")
+
+
+def gain_at_best(base, tuned, split, key="accuracy"):
+    """A tuned model's `key` on `split` at its best setting minus its base's at the base's best."""
+    return cell(tuned, split)[key] - cell(base, split)[key]
+
+
+def sweep_splits(args, ctx, model, codec, prompts, splits, reward_fns, out_dir, temperatures,
+                 cfgs=(None,), choose_on="train"):
+    """temperature_sweep of `model` over `splits` ({name: items}), each setting's images and scores
+    in out_dir/tau<τ>[_cfg<w>]/<split>/, the best chosen by the strict accuracy (shapes prompts) or
+    else the first reward's mean. Returns the sweep (every rank)."""
+    def score(temperature, cfg):
+        folder = os.path.join(out_dir, setting_folder(temperature, cfg))
+        return {split: summarize(generate_and_score(args, ctx, model, codec, prompts, items,
+                                                    reward_fns, os.path.join(folder, split),
+                                                    temperature, cfg), list(reward_fns))
+                for split, items in splits.items()}
+    return temperature_sweep(score, temperatures, cfgs, choose_on, ("accuracy", *reward_fns))
+
+
+def setting_folder(temperature, cfg=None):
+    """The folder of a sampling setting's images: tau0.3, or tau0.3_cfg3."""
+    return f"tau{temperature:g}" + ("" if cfg is None else f"_cfg{cfg:g}")
+
+
+def describe(summary, key):
+    """'30.2% ± 3.3 (n 192)' of a rate (strict accuracy), '0.476 ± 0.012 (n 192)' of a mean."""
+    if key == "accuracy":
+        p = summary[key]
+        return f"{p:.1%} ± {100 * binomial_sem(p, summary['n']):.1f} (n {summary['n']})"
+    sem = summary.get(f"{key}_sem")
+    spread = "" if sem is None else f" ± {sem:.2g}"
+    return f"{summary[key]:.4g}{spread} (n {summary['n']})"
+
+
+def print_report(out, report, temperature):
+    """The before/after report of `python train.py`: per split, base and tuned at the run's τ and
+    each at its best τ (chosen on the training split), the gain over the base at its best, and how
+    the images at the best τ fail."""
+    base, tuned = report["base"], report["tuned"]
+    key, at_run = base["key"], {"temperature": temperature, "cfg": None}
+    scale, unit = (100, " points") if key == "accuracy" else (1, "")
+    titles = {"heldout": "held-out prompts (never seen in pretraining or RL)",
+              "train": "training-split prompts, fresh seeds"}
+    for split in [s for s in titles if any(c["split"] == s for c in base["cells"])]:
+        what = key if key != "accuracy" else "strict accuracy (every check passes), of all images"
+        print(f"\n{titles[split]}: {what}")
+        run_tau = tables.setting_name(at_run)
+        for name, sweep in (("base", base), ("tuned", tuned)):
+            best = tables.setting_name(sweep["best"])
+            print(f"  {name:<6} at {run_tau:<7} {describe(cell(sweep, split, at_run), key):<26}"
+                  f"at its best, {best:<7} {describe(cell(sweep, split), key)}")
+        at_run_gain = cell(tuned, split, at_run)[key] - cell(base, split, at_run)[key]
+        gain = gain_at_best(base, tuned, split, key)
+        print(f"  tuned − base: {scale * gain:+.1f}{unit} each at its best τ, "
+              f"{scale * at_run_gain:+.1f}{unit} at {run_tau}")
+        for name, sweep in (("base", base), ("tuned", tuned)):
+            fails = cell(sweep, split).get("failures")
+            if fails:
+                shares = ", ".join(f"{m} {fails[m]:.0%}" for m in verifier.FAILURES)
+                print(f"  {name} at its best, images: {shares}")
+    print(f"\nfiles: {out}/ (metrics.jsonl, curves.png, samples/, ckpt/, eval/)")
+
+
+def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
+    """`python train.py`'s last stage: base and tuned model on the same prompts and seeds, each at
+    every τ of --eval-temperatures (and --temperature) and at its best τ, chosen on the training
+    split: for shapes prompts the held-out compositions and the training split (prompts of the
+    split RL draws from, fresh seeds); with --prompts, those prompts with fresh seeds. Writes
+    eval/base/, eval/tuned/ and eval/summary.json and prints the report; returns {"base": sweep,
+    "tuned": sweep}."""
+    splits = {"train": prompts.eval_items(args.eval_prompts, args.seed, "train")}
+    if args.prompts is None and prompts.is_shapes:
+        splits = {"heldout": prompts.eval_items(args.eval_prompts, args.seed, "heldout"), **splits}
+    temperatures = sorted({*args.eval_temperatures, args.temperature})
+    report = {tag: sweep_splits(args, ctx, model, codec, prompts, splits, {args.reward: reward_fn},
+                                os.path.join(args.out, "eval", tag), temperatures,
+                                args.eval_cfgs or (None,))
+              for tag, model in (("base", base), ("tuned", tuned))}
+    if ctx.master:
+        with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print_report(args.out, report, args.temperature)
+        if args.preset == "smoke":
+            print("(the smoke preset trains a toy model for seconds: its numbers test the "
+                  "pipeline, not the method)")
+    return report
+
+
+def eval_only(args, ctx, model, codec, prompts, reward_fn):
+    """`python train.py --eval-only`: the prompts (a file's, or held-out shapes ones) at
+    --temperature, scored; scores.jsonl and summary.json in --out. Returns the summary."""
+    items = prompts.eval_items(args.eval_prompts, args.seed)
+    rows = generate_and_score(args, ctx, model, codec, prompts, items, {args.reward: reward_fn},
+                              args.out)
+    summary = summarize(rows, [args.reward])
+    if ctx.master:
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    scores = os.path.join(args.out, "scores.jsonl")
+    ctx.print0(json.dumps(summary, indent=1) + f"\nscores: {scores}")
+    return summary
+
+
+def group_diversity(images, G):
+    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
+    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
+    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
+    return d.sum() / (d.shape[0] * G * (G - 1))
+
+
+# -----------------------------------------------------------------------------
+# The paper's table: `python evaluate.py --ckpt NAME=PATH ... --reward hpsv2,imagereward,pickscore`
+
+def parse_table_args(argv=None):
+    """The table's flags (infra/tables.py) and the sampling, model, processes, evaluation and
+    reward-service flags it shares with train.py (infra/flags.py), over the --preset; checks the
+    inputs (`check_table_inputs`). Returns (the Namespace, the dests given on the command line)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    groups = [("the table", tables.table_flags), flags.SAMPLING, flags.MODEL, flags.PROCESSES,
+              flags.EVALUATION, flags.REWARD_SERVICE]
+    p = flags.build_parser(groups, description=tables.DESCRIPTION, prog="evaluate.py")
+    preset = p.parse_known_args(argv)[0].preset  # the table's own defaults win over the preset's
+    own = tables.TABLE_DEFAULTS
+    p.set_defaults(**{k: v for k, v in flags.PRESETS[preset].items() if k not in own}, **own)
+    args = p.parse_args(argv)
+    if not args.out.strip():
+        raise ValueError("--out '': give the table's folder")
+    args.compbench_weights = compbench_module().parse_weights(args.compbench_ckpt, args.compbench)
+    args.ckpts = tables.parse_ckpts(args.ckpt)
+    args.init = args.ckpts[0][1]  # where loading.load_codec looks for NOVA's vae/ folder
+    check_table_inputs(args)
+    return args, flags.given(argv, p)
+
+
+def compbench_module():
+    """scorers/compbench.py, imported when the table needs it (it imports the T2I-CompBench
+    scorers)."""
+    return importlib.import_module("scorers.compbench")
+
+
+def check_table_inputs(args):
+    """Files and cross-flag rules, before anything is loaded or written: one-line errors naming
+    the flag."""
+    if args.compbench and not (args.prompts and prompt_records.is_record_file(args.prompts)):
+        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records "
+                         "(infra/prompt_records.py)")
+    if args.choose_prompts is not None and not args.sweep:
+        raise ValueError("--choose-prompts: belongs to a sweep; give --sweep too")
+    if args.sweep:
+        if args.compbench:
+            raise ValueError("--sweep: the T2I-CompBench table is scored at --temperature alone")
+        if args.choose_prompts is None and (args.model != "small" or args.prompts is not None):
+            raise ValueError("--sweep: give --choose-prompts FILE, the training prompts each "
+                             "checkpoint's best τ is chosen on")
+        if args.choose_prompts is not None and not os.path.isfile(args.choose_prompts):
+            raise FileNotFoundError(f"--choose-prompts: no such file: {args.choose_prompts}")
+    if not args.compbench and not args.reward:
+        raise ValueError("--reward: name the rewards the table scores (e.g. shapes, or "
+                         "hpsv2,pickscore)")
+    flags.check_model_inputs(args, None if args.compbench else tables.reward_names(args.reward))
+    loading.check_prompt_files(args)
 
 
 def load_checkpoint(args, name, path):
@@ -302,56 +388,106 @@ def load_checkpoint(args, name, path):
     checkpoint over its base, or LoRA adapters on theirs); a bad file is one line naming --ckpt."""
     try:
         return loading.load_policy(args, path, f"--ckpt {name}").requires_grad_(False)
-    except (ValueError, FileNotFoundError) as e:  # "--ckpt NAME PATH: why" -> "--ckpt NAME=PATH: why", as it was given
+    except (ValueError, FileNotFoundError) as e:  # "--ckpt NAME PATH: why" -> "--ckpt NAME=PATH"
         raise type(e)(str(e).replace(f"--ckpt {name} {path}", f"--ckpt {name}={path}")) from None
 
 
+def choice_items(args, model, prompts):
+    """The prompts a sweep chooses each checkpoint's best τ on: --choose-prompts, or for the
+    shapes world the training split's prompts (as many as the evaluated ones)."""
+    if args.choose_prompts is not None:
+        return loading.load_prompts(args, model, args.choose_prompts, "--choose-prompts").items
+    return prompts.eval_items(args.eval_prompts, args.seed, "train")
+
+
+def sweep_rows(args, ctx, name, path, model, codec, prompts, items, reward_fns, columns):
+    """A checkpoint's table rows after a sweep: at --temperature and at its best τ (chosen on the
+    choice prompts), and its sweep (sweep.json's entry)."""
+    folder = os.path.join(args.out, name)
+    splits = {"train": choice_items(args, model, prompts), "eval": items}
+    sweep = sweep_splits(args, ctx, model, codec, prompts, splits, reward_fns, folder,
+                         args.eval_temperatures, args.eval_cfgs or (None,))
+    rows = []
+    for setting, label in (({"temperature": args.temperature, "cfg": None}, "at --temperature"),
+                           (sweep["best"], "its best")):
+        sub = os.path.join(folder, setting_folder(setting["temperature"], setting["cfg"]), "eval")
+        scored = [json.loads(line) for line in open(os.path.join(sub, "scores.jsonl"))]
+        rows.append({**tables.table_row(name, path, scored, columns),
+                     "sampling": f"{tables.setting_name(setting)} ({label})", "setting": setting})
+    return rows, sweep
+
+
 def main(argv=None):
-    """`python evaluate.py ...`: check the inputs, build the rewards, read and check every checkpoint,
-    then for each in turn load, generate, score and write; rank 0 writes and prints the table.
-    Returns the table dict (also DIR/table.json); an empty dict on ranks > 0."""
-    args = parse_table_args(argv)
+    """`python evaluate.py ...`: check the inputs, build the rewards, read and check every
+    checkpoint, then for each in turn load, generate, score and write; rank 0 writes and prints
+    the table. Returns the table dict (also DIR/table.json); an empty dict on ranks > 0."""
+    args, given = parse_table_args(argv)
+    if args.sweep:  # with the row at --temperature
+        args.eval_temperatures = sorted({*args.eval_temperatures, args.temperature})
     ctx = processes.Ctx(args)
     if args.compbench:  # one score per image, its category's (scorers/compbench.py)
+        compbench = compbench_module()
         reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
         columns, notes = None, compbench.DEPARTURES
     else:
         weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-        names = reward_names(args.reward)
-        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights, server=remote.settings(args))
-                      for name in names}
-        columns, notes = table_columns(names), []
-    # --- every checkpoint (and the prompts and codec it needs) read and checked before the first image:
-    #     each loaded on the CPU in turn and freed; the images below load it again
+        names = tables.reward_names(args.reward)
+        server = rewards.server_settings(args)
+        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights,
+                                                 server=server) for name in names}
+        columns, notes = tables.table_columns(names), []
+    # --- every checkpoint (and the prompts and codec it needs) read and checked before the first
+    #     image: each loaded on the CPU in turn and freed; the images below load it again
     for k, (name, path) in enumerate(args.ckpts):
         model = load_checkpoint(args, name, path)
         loading.load_prompts(args, model)
-        if k == 0:  # the flags that describe the model say what the first checkpoint is (table.json's args)
-            loading.describe(args, model, flags.given(sys.argv[1:] if argv is None else [str(a) for a in argv]))
+        if args.choose_prompts is not None:
+            loading.load_prompts(args, model, args.choose_prompts, "--choose-prompts")
+        if k == 0:  # the flags that describe the model say what the first checkpoint is
+            loading.describe(args, model, given)
     codec = loading.load_codec(args, None, ctx.device)
-    table = None
+    table, sweeps = None, {}
     for name, path in args.ckpts:
         model = load_checkpoint(args, name, path).to(ctx.device)
         prompts = loading.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
-        items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's prompts, or held-out shapes ones
+        items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's, or held-out shapes
         if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
             items = [it for it in items if it["task_type"] != "object"]
             columns = columns or compbench.table_columns(items)
         if table is None:
-            table = dict(columns=columns, notes=notes, rows=[], num_prompts=len(items), images_per_prompt=args.images_per_prompt,
-                         seed=args.seed, batch_size=args.batch_size, model=args.model, prompts=args.prompts,
+            table = dict(columns=columns, notes=notes, rows=[], num_prompts=len(items),
+                         images_per_prompt=args.eval_images_per_prompt, seed=args.seed,
+                         batch_size=args.eval_batch_size, model=args.model, prompts=args.prompts,
                          args={k: v for k, v in vars(args).items() if k != "ckpts"})
         # --- generate and score; the row's mean ± SEM per column
-        rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, os.path.join(args.out, name))
-        table["rows"].append({**table_row(name, path, rows, columns), "model": model.config})
+        if not args.sweep:
+            rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns,
+                                      os.path.join(args.out, name))
+            row = tables.table_row(name, path, rows, columns)
+            table["rows"].append({**row, "model": model.config})
+        else:
+            rows, sweeps[name] = sweep_rows(args, ctx, name, path, model, codec, prompts, items,
+                                            reward_fns, columns)
+            table["rows"] += [{**row, "model": model.config} for row in rows]
         del model  # before the next one is loaded
+    if sweeps:
+        first = args.ckpts[0][0]
+        table["notes"] = notes + [
+            f"{name}: {100 * gain_at_best(sweeps[first], s, 'eval', s['key']):+.1f} ({s['key']}, "
+            f"×100) over {first}, each at its best τ"
+            for name, s in sweeps.items() if name != first]
+        table["sweeps"] = sweeps
     if not ctx.master:
         return {}
     with open(os.path.join(args.out, "table.json"), "w") as f:
         json.dump(table, f, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(table_markdown(table))
-    print("\n" + table_markdown(table) + f"\nfiles: {args.out}/ (table.md, table.json, NAME/images/, NAME/scores.jsonl)")
+        f.write(tables.table_markdown(table))
+    if sweeps:
+        with open(os.path.join(args.out, "sweep.md"), "w") as f:
+            f.write(tables.sweep_markdown(sweeps))
+    print("\n" + tables.table_markdown(table) + f"\nfiles: {args.out}/ (table.md, table.json, "
+          "NAME/images/, NAME/scores.jsonl)")
     return table
 
 

@@ -74,22 +74,23 @@ from diffloss import transition_logprob, transition_mean
 
 @dataclass
 class GRPOSettings:
-    """Everything the objective needs to know; `METHODS` name the paper's variants
-    (docs/method.md §7: grpo trains the head, grpo-fixed-head freezes it, mar-grpo adds MTE and
-    the consistency mask)."""
-    beta: float = 0.01            # KL weight β
-    kl: str = "gaussian"          # "gaussian" | "k3" | "mean-k3"
-    clip_eps: float = 0.2         # PPO ratio clipping (binds only when inner_epochs > 1)
-    inner_epochs: int = 1         # optimizer steps per rollout
-    train_head: bool = False      # does the diffusion head get gradients?
-    mte_trajectories: int = 0     # S; 0 = no multi-trajectory expectation
-    top_k: float = 0.3            # fraction of tokens that get MTE (uncertainty mask)
+    """Everything the objective needs to know (train.py's `paper_flags` hold the released values as
+    their defaults; `METHODS` name the paper's variants, docs/method.md §7: grpo trains the head,
+    grpo-fixed-head freezes it, mar-grpo adds MTE and the consistency mask)."""
+    beta: float                   # KL weight β
+    kl: str                       # "gaussian" | "k3" | "mean-k3"
+    clip_eps: float               # PPO ratio clipping (binds only when inner_epochs > 1)
+    inner_epochs: int             # optimizer steps per rollout
+    train_head: bool              # does the diffusion head get gradients?
+    mte_trajectories: int         # S; 0 = no multi-trajectory expectation
+    top_k: float                  # fraction of tokens that get MTE (uncertainty mask)
     # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
-    mte_positions: str = "unknown"
-    # κ of the consistency mask; None = no consistency mask
-    consistency_threshold: float | None = 0.0
-    policy_positions: str = "unknown"  # policy term on U_i (released) or on P_i only ("predicted")
-    train_cfg: str = "rollout"    # recompute ℓ with the rollout's guidance, or "1" (released)
+    mte_positions: str
+    consistency_threshold: float | None  # κ of the consistency mask; None = no consistency mask
+    # policy term on U_i ("unknown", released) or on P_i only ("predicted")
+    policy_positions: str
+    # recompute ℓ with the rollout's guidance ("rollout"), or "1" (released)
+    train_cfg: str
 
     def validate(self):
         """Raise ValueError naming the flag for contradictory settings."""
@@ -114,12 +115,12 @@ class GRPOSettings:
 
 
 # the variants the paper compares (docs/method.md §7: grpo trains the head, grpo-fixed-head
-# freezes it, mar-grpo adds MTE and the consistency mask); every field can still be overridden
-# by its flag
+# freezes it, mar-grpo adds MTE and the consistency mask), as what each changes of MAR-GRPO as
+# released (train.py's defaults); every field can still be set by its own flag
 METHODS = {
+    "mar-grpo": {},
+    "grpo-fixed-head": dict(mte_trajectories=0, consistency_threshold=None),
     "grpo": dict(train_head=True, mte_trajectories=0, consistency_threshold=None),
-    "grpo-fixed-head": dict(train_head=False, mte_trajectories=0, consistency_threshold=None),
-    "mar-grpo": dict(train_head=False, mte_trajectories=3, top_k=0.3, consistency_threshold=0.0),
 }
 
 
@@ -273,15 +274,15 @@ def recompute_z(model, step, inputs, guided):
     return z[:B].gather(1, idx), (z[B:].gather(1, idx) if guided else None)
 
 
-def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None,
-                 uncertain=None, old=None):
+def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None, old=None):
     """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (`ar_step_objective`).
 
     model / ref_model: the policy and the frozen reference (mar.MaskedAR); record: a
     rollout.RolloutRecord; j: index into record.steps; inputs: the rollout's condition inputs;
     adv: (B,) advantages; settings: GRPOSettings (the guidance w is the step's own);
-    trajectories: MTE trajectories from `mte.sample_trajectories` (or None); uncertain: (B, L) bool
-    M_unc (or None); old: this step's ℓ_old from the first inner epoch (None in the first epoch).
+    trajectories: MTE trajectories from `mte.sample_trajectories` (or None; M_unc is built from
+    them here, beside W); old: this step's ℓ_old from the first inner epoch (None in the first
+    epoch).
     returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later
     epochs)
     """
@@ -301,8 +302,10 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     stats = {"logp_parity_err": (logp.detach() - step.logp).abs().max()}
     pred = step.pred.gather(1, step.unk_idx)  # (B, n) P_i on U_i: the tokens this step wrote
 
-    # multi-trajectory expectation on the uncertain unknown positions (mte.py)
+    # multi-trajectory expectation on the uncertain unknown positions (mte.py): M_unc, top-k% by
+    # spread
     if trajectories is not None:
+        uncertain = masks.uncertainty_mask(trajectories["x0"], settings.top_k)  # (B, L) M_unc
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
         # only where the trajectories' z_final is this step's z_i
         if settings.mte_positions == "predicted":

@@ -56,8 +56,9 @@ def unknown_after_step(step, num_iter, seq_len, num_unknown):
 
 def random_orders(bsz, seq_len, device, generator=None):
     """(B, L) generation orders, one random permutation of 0 … L−1 per row: the argsort of
-    uniform noise, as the official MAR and NOVA draw them (MAR, Harmon and NOVA all draw theirs
-    with it)."""
+    uniform noise, as NOVA draws them (the official MAR and the released Harmon shuffle each row
+    with np.random.shuffle: the same distribution of orders). MAR, Harmon and NOVA here all draw
+    theirs with it, from the caller's generator."""
     return torch.argsort(torch.rand(bsz, seq_len, device=device, generator=generator), dim=1)
 
 

@@ -60,6 +60,15 @@ def top_k_mask(u, frac):
     return mask.scatter(1, order[:, :k], True)
 
 
+def uncertainty_mask(x0_traj, frac):
+    """M_unc = top-k% of positions by u_p, per image (`token_uncertainty`, `top_k_mask`).
+
+    x0_traj: (S, B, L, C) final tokens of S head trajectories; frac: k% in [0, 1]
+    returns (B, L) bool
+    """
+    return top_k_mask(token_uncertainty(x0_traj), frac)
+
+
 def delta_sim(preview, preview_prev, final):
     """Δsim_p = cos(x̂0^(i)_p, x_p) − cos(x̂0^(i−1)_p, x_p), cosine over channels.
 

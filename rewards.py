@@ -37,12 +37,13 @@ verifier in demo/verifier.py, the model-based rewards in scorers/ (clip.py: open
 scorers/imagereward.py: BLIP; composition.py: GroundingDINO, GIT; weights.py reads their weight
 files).
 
-The rewards: `shapes` (the demo's verifier), `jpeg_compressibility` and `jpeg_incompressibility`
-(DDPO's JPEG size) need no weights; `clip_score`, `hpsv2`, `pickscore` and `aesthetic` (CLIP
-models), `imagereward` (BLIP), and `gdino`, `gdino_released` and `git_vqa` (GroundingDINO, GIT;
-these also need `--prompts FILE.jsonl`) read local weight files, given by `weights` key as
-`build_reward(..., weights={key: path})` or `--reward-ckpt key=PATH`. What each scores, its keys
-and files, and where each file is published: docs/real_models.md, "Rewards and their weight files".
+The rewards: `shapes` and `shapes_partial` (the demo's verifier), `jpeg_compressibility` and
+`jpeg_incompressibility` (DDPO's JPEG size) need no weights; `clip_score`, `hpsv2`, `pickscore`
+and `aesthetic` (CLIP models), `imagereward` (BLIP), and `gdino`, `gdino_released` and `git_vqa`
+(GroundingDINO, GIT; these also need `--prompts FILE.jsonl`) read local weight files, given by
+`weights` key as `build_reward(..., weights={key: path})` or `--reward-ckpt key=PATH`. What each
+scores, its keys and files, and where each file is published:
+docs/real_models.md, "Rewards and their weight files".
 
 Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
 file raises a one-line FileNotFoundError naming `--reward-ckpt` and the expected file, a file that
@@ -269,6 +270,14 @@ def build_reward(spec, *, device="cpu", weights=None, options=None, server=None,
     return WeightedSum(components)
 
 
+def server_settings(args):
+    """build_reward's `server` for a run's flags: None without --reward-url, else what
+    scorers/remote.py's `settings` reads (imported only by the runs that name a server)."""
+    if getattr(args, "reward_url", None) is None:
+        return None
+    return importlib.import_module("scorers.remote").settings(args)
+
+
 class RewardFailed(RuntimeError):
     """A reward raised while scoring a batch: the run stops (processes.cli prints the reward's own
     traceback, then this one line, and exits with status 1)."""
@@ -334,6 +343,7 @@ def _built_from(module, cls_name):
 _CLIP_OPTIONS = {"model_name", "dtype", "batch_size"}
 REWARDS = {
     "shapes": (_built_from("demo.verifier", "ShapesReward"), (), set()),
+    "shapes_partial": (_built_from("demo.verifier", "ShapesPartialReward"), (), set()),
     "jpeg_compressibility": (lambda device="cpu": JpegReward(-1.0, device), (), set()),
     "jpeg_incompressibility": (lambda device="cpu": JpegReward(+1.0, device), (), set()),
     "clip_score": (_built_from("scorers.clip", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),
@@ -351,11 +361,11 @@ REWARDS = {
 
 # The reward classes of other folders are also reachable from this module (`rewards.HPSv2Reward`),
 # imported on first access (PEP 562) for the same reason as `_built_from`.
-_ELSEWHERE = {"ShapesReward": "demo.verifier", "ClipScoreReward": "scorers.clip",
-              "HPSv2Reward": "scorers.clip", "PickScoreReward": "scorers.clip",
-              "AestheticReward": "scorers.clip", "ImageRewardReward": "scorers.imagereward",
-              "GDinoReward": "scorers.composition", "GDinoReleasedReward": "scorers.composition",
-              "GitVqaReward": "scorers.composition"}
+_ELSEWHERE = {"ShapesReward": "demo.verifier", "ShapesPartialReward": "demo.verifier",
+              "ClipScoreReward": "scorers.clip", "HPSv2Reward": "scorers.clip",
+              "PickScoreReward": "scorers.clip", "AestheticReward": "scorers.clip",
+              "ImageRewardReward": "scorers.imagereward", "GDinoReward": "scorers.composition",
+              "GDinoReleasedReward": "scorers.composition", "GitVqaReward": "scorers.composition"}
 
 
 def __getattr__(name):

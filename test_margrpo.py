@@ -19,7 +19,7 @@ import grpo
 import masks
 import mte
 from diffloss import DiffLoss, transition_logprob
-from tests.helpers import ROOT, loss_and_grads, make_rollout, tiny_mar
+from tests.helpers import ROOT, loss_and_grads, make_rollout, settings, tiny_mar
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
 
@@ -95,9 +95,12 @@ COPY_SETS = {
         record = types.SimpleNamespace(steps=[step], tokens=torch.randn(B, L, 4),
                                        z_final_null=z[B:])
         adv = grpo.group_advantages(torch.tensor([0.0, 1.0]), 2)
+        settings = grpo.GRPOSettings(beta=0.01, kl="gaussian", clip_eps=0.2, inner_epochs=1,
+                                     train_head=False, mte_trajectories=0, top_k=0.3,
+                                     mte_positions="unknown", consistency_threshold=0.0,
+                                     policy_positions="unknown", train_cfg="rollout")
         loss, stats, _ = grpo.ar_step_loss(model, model, record, 0,
-                                           dict(labels=torch.tensor([0, 1])), adv,
-                                           grpo.GRPOSettings(**grpo.METHODS["mar-grpo"]))
+                                           dict(labels=torch.tensor([0, 1])), adv, settings)
         loss.backward()
         assert stats["logp_parity_err"] < 1e-5 and model.proj.weight.grad is not None"""),
 }
@@ -154,7 +157,7 @@ def test_recomputed_logp_equals_recorded():
     model = tiny_mar()
     record, cond = make_rollout(model, cfg=3.0, temperature=0.8)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    cfg = grpo.GRPOSettings(beta=0.01, consistency_threshold=0.0)
+    cfg = settings("mar-grpo", mte_trajectories=0)
     ref = copy.deepcopy(model)
     for j, s in enumerate(record.steps):
         _, stats, _ = grpo.ar_step_loss(model, ref, record, j, cond, adv, cfg)
@@ -170,7 +173,7 @@ def test_train_cfg_1_recomputes_without_guidance():
     record, cond = make_rollout(model, cfg=3.0)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     _, stats, _ = grpo.ar_step_loss(model, model, record, 1, cond, adv,
-                                    grpo.GRPOSettings(train_cfg="1"))
+                                    settings("mar-grpo", mte_trajectories=0, train_cfg="1"))
     assert stats["logp_parity_err"] > 1e-3  # the released trainer's mismatch, made visible
 
 
@@ -277,14 +280,16 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                 new_old, stats)
 
-    l1, g1, old, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=1))
+    l1, g1, old, _ = grads(settings("mar-grpo", mte_trajectories=0, beta=0.0, inner_epochs=1))
     # first epoch: clip cannot bind
-    l2, g2, _, _ = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.2))
+    l2, g2, _, _ = grads(settings("mar-grpo", mte_trajectories=0, beta=0.0, inner_epochs=3,
+                                  clip_eps=0.2))
     assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
     # a later epoch after a parameter change: ρ moves away from 1 and clipping is reported
     with torch.no_grad():
         model.decoder_embed.weight.add_(0.5 * torch.randn_like(model.decoder_embed.weight))
-    _, _, _, stats = grads(grpo.GRPOSettings(beta=0.0, inner_epochs=3, clip_eps=0.01), old=old)
+    _, _, _, stats = grads(settings("mar-grpo", mte_trajectories=0, beta=0.0, inner_epochs=3,
+                                    clip_eps=0.01), old=old)
     assert stats["ratio_max_dev"] > 0.01 and stats["clip_frac"] > 0
 
 
@@ -294,27 +299,25 @@ def test_mar_grpo_path_with_components_off_equals_fixed_head():
         p.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    fixed = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
+    fixed = settings("grpo-fixed-head")
     l0, g0 = loss_and_grads(model, record, cond, adv, fixed)
-    # the mar-grpo path, run with trajectories but an empty uncertainty mask and a threshold that
-    # keeps all
+    # the mar-grpo path, run with trajectories but an empty uncertainty mask (k = 0) and a
+    # threshold that keeps all
     traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
                                    record.cfg_final, 0.9, 3, record.steps[0].diff_steps,
                                    torch.Generator().manual_seed(1))
-    off = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], consistency_threshold=-3.0))
-    empty = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.0)
-    l1, g1 = loss_and_grads(model, record, cond, adv, off, traj, empty)
+    off = settings("mar-grpo", consistency_threshold=-3.0, top_k=0.0)
+    l1, g1 = loss_and_grads(model, record, cond, adv, off, traj)
     assert l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
     assert not any(n.startswith("diffloss.") for n in g0)  # a frozen head gets no gradient
     # switching the components on changes the gradient
-    on = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
-    l2, g2 = loss_and_grads(model, record, cond, adv, on, traj,
-                            masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.3))
+    on = settings("mar-grpo")
+    l2, g2 = loss_and_grads(model, record, cond, adv, on, traj)
     assert any(not torch.allclose(g0[n], g2[n]) for n in g0)
     # end-to-end GRPO: the head trains
     for p in model.diffloss.parameters():
         p.requires_grad_(True)
-    _, g3 = loss_and_grads(model, record, cond, adv, grpo.GRPOSettings(**grpo.METHODS["grpo"]))
+    _, g3 = loss_and_grads(model, record, cond, adv, settings("grpo"))
     assert any(n.startswith("diffloss.") and g.abs().sum() > 0 for n, g in g3.items())
 
 
@@ -327,17 +330,25 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
                                    record.cfg_final, 0.9, 3, record.steps[0].diff_steps,
                                    torch.Generator().manual_seed(1))
-    uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.5)  # (B, L)
-    released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
-    predicted = grpo.GRPOSettings(**dict(grpo.METHODS["mar-grpo"], mte_positions="predicted"))
-    # the loss's gradient at AR step j, flattened over the trained parameters
+    # (B, L), as the loss builds it
+    uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.5)
+    released = settings("mar-grpo", top_k=0.5)
+    predicted = settings("mar-grpo", top_k=0.5, mte_positions="predicted")
+    built = masks.uncertainty_mask
+
+    # the loss's gradient at AR step j with M_unc = unc, flattened over the trained parameters
     def grad(j, cfg, unc):
         model.zero_grad()
-        loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj, unc)
+        masks.uncertainty_mask = lambda x0, frac: unc  # noqa: E731  (the loss's M_unc, replaced)
+        try:
+            loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)
+        finally:
+            masks.uncertainty_mask = built
         loss.backward()
         return (torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]),
                 stats)
 
+    assert torch.equal(built(traj["x0"], 0.5), uncertain)
     differ = 0
     for j, step in enumerate(record.steps):
         restricted = uncertain & step.pred  # (B, L)
@@ -398,9 +409,8 @@ def test_policy_positions_predicted_keeps_exactly_the_tokens_written_at_the_step
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    released = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0)
-    predicted = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"], beta=0.0,
-                                  policy_positions="predicted")
+    released = settings("mar-grpo", beta=0.0)
+    predicted = settings("mar-grpo", beta=0.0, policy_positions="predicted")
     got = loss_and_grads(model, record, cond, adv, predicted)
     # P_i ⊊ U_i: the test can tell
     assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])

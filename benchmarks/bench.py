@@ -18,6 +18,7 @@ recording + reward + [MTE] + update(method); medians of repeats after a warm-up,
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import grpo
 import mar
-import masks
 import mte
 import rewards
 import rollout
@@ -41,7 +41,7 @@ import train
 from benchmarks import memory, memory_table
 from demo import shapes, verifier
 from infra import checkpoints, flags, processes
-from infra.prompts import Prompts
+from models.prompts import Prompts
 from models import loading, vae
 
 METHODS = ("grpo-fixed-head", "mar-grpo")
@@ -75,7 +75,7 @@ def setting(args, model, items, prompts, device, codec=None, reward=None, trajec
         for p in [p for k, p in model.diffloss.named_parameters() if "adaLN_modulation" in k or "final_layer.linear" in k]:
             p.normal_(0, 0.02)
     ref = model.to(device).eval().requires_grad_(False)
-    settings = {m: flags.grpo_settings(argparse.Namespace(**{**vars(args), "method": m})) for m in METHODS}
+    settings = {m: dataclasses.replace(train.grpo_settings(args), **grpo.METHODS[m]) for m in METHODS}
     settings["mar-grpo"].mte_trajectories = trajectories or settings["mar-grpo"].mte_trajectories
     model = loading.make_policy(args, ref, settings["mar-grpo"])  # as train.py makes it; both methods keep the head fixed
     return SimpleNamespace(args=args, model=model, ref=ref, items=items, prompts=prompts, device=device, settings=settings,
@@ -98,7 +98,7 @@ def mar_base_setting(opts, device):
     """The official mar_base (constructor + OFFICIAL_HEADS) with train.py's mar_base preset (one class
     prompt × G = 4, CFG 3, τ = 1, K = 10) at --base-steps' AR steps, diffusion steps and trained AR steps."""
     N, T, M = opts.base_steps.split(",")
-    args = flags.parse_args(["--preset", "mar_base", "--prompts-per-step", "1", "--num-iter", N, "--num-sampling-steps", T,
+    args = train.parse_args(["--preset", "mar_base", "--prompts-per-step", "1", "--num-iter", N, "--num-sampling-steps", T,
                              "--train-ar-steps", M])
     torch.manual_seed(0)
     model = mar.mar_base(**mar.OFFICIAL_HEADS["mar_base"], num_sampling_steps=str(args.num_sampling_steps))
@@ -136,8 +136,8 @@ class StepBench:
         st, settings, marks = self.st, self.st.settings[method], []
         forward = self.loss.forward
         self.loss.forward = lambda *a, **k: (marks.append(clock(st.device)), forward(*a, **k))[1]
-        traj, uncertain = (self.traj, self.uncertain) if settings.mte_trajectories >= 2 else (None, None)
-        batch = train.MicroBatch(st.inputs, self.record, None, [], None, adv, {}, traj, uncertain,
+        traj = self.traj if settings.mte_trajectories >= 2 else None
+        batch = train.MicroBatch(st.inputs, self.record, None, [], None, adv, {}, traj,
                                  [None] * len(self.record.steps), {})
         try:
             train.backward_batch(self.loss, st.ref, batch, settings, contextlib.nullcontext)
@@ -171,7 +171,6 @@ class StepBench:
             self.traj = mte.sample_trajectories(st.model.diffloss, self.record.z_final, self.record.z_final_null,
                                                  self.record.cfg_final, a.temperature, settings.mte_trajectories, plan.diff_steps,
                                                  processes.seeded(st.device, r, 5))
-            self.uncertain = masks.top_k_mask(masks.token_uncertainty(self.traj["x0"]), settings.top_k)
             done("mte")
             for m in self.methods:
                 self.update(m, adv, timing=r >= warmup)
@@ -382,7 +381,7 @@ def main(argv=None):
     sections += ["mar_base"] if opts.mar_base and "mar_base" not in sections else []
     if any(s not in SECTIONS for s in sections):
         p.error(f"--sections {opts.sections}: choose from {', '.join(SECTIONS)}")
-    args = flags.parse_args(["--preset", opts.preset] + rest)
+    args = train.parse_args(["--preset", opts.preset] + rest)
     print(f"bench: preset {opts.preset}, torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.device}. "
           "The figures are ratios within this run; absolute times on a shared machine are noise.", flush=True)
     results = {}

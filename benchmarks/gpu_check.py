@@ -50,12 +50,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import diffloss
 import grpo
-import masks
 import mte
 import rollout
 import train
 from benchmarks import bench, memory, memory_table, tiny_files
-from infra import checkpoints, flags, processes
+from infra import checkpoints, flags, processes, run_folder
 from models import loading, nova_heads
 
 SECTIONS = ("smoke", "parity", "nccl", "memory", "throughput")
@@ -130,7 +129,7 @@ def smoke(opts, out):
             lines = (run / "metrics.jsonl").read_text().splitlines() if ok else []
             firsts[mode, precision] = json.loads(lines[0]) if ok else {}
             parity = max(json.loads(line)["logp_parity_err"] for line in lines) if ok else None
-            ok = ok and parity <= train.PARITY_WARN
+            ok = ok and parity <= run_folder.PARITY_WARN
             one_time = f", {strict.first_call} one-time syncs in heads' first calls" if strict else ""
             figures = f"exit {rc} in {time.time() - t0:.0f} s" + (
                 "" if parity is None else f", max |Δℓ| recorded - recomputed {parity:.2g} nats")
@@ -152,7 +151,7 @@ def smoke(opts, out):
 # parity and memory: the released architectures, random weights, reduced token counts
 
 def preset_args(opts, preset):
-    return flags.parse_args(["--preset", preset, "--out", str(opts.work / preset), "--device", opts.device])
+    return train.parse_args(["--preset", preset, "--out", str(opts.work / preset), "--device", opts.device])
 
 
 def model_at(args, side, device):
@@ -177,7 +176,7 @@ def parity(args, base, inputs, device, pairs=PAIRS):
     on CUDA processes.use_tf32). A pair of one precision is what a run in it logs
     (logp_parity_err); a mixed pair, an update in another precision than its rollout's, is the
     size of a precision mismatch. Returns {(recorded, recomputed): max |Δℓ|}."""
-    settings = flags.grpo_settings(args)
+    settings = train.grpo_settings(args)
     model = loading.make_policy(args, base, settings)
     diff_steps = list(model.diffloss.trainable_steps())[-args.train_diff_steps:][::-1]
     plan = rollout.RolloutPlan(ar_steps=[1, 5], diff_steps=diff_steps)
@@ -204,11 +203,11 @@ def parity(args, base, inputs, device, pairs=PAIRS):
 
 def parity_row(name, err):
     """`parity`'s figures as a table row: ok if a run in either precision stays under
-    train.PARITY_WARN."""
+    run_folder.PARITY_WARN."""
     same = err["bf16", "bf16"], err["fp32", "fp32"]
-    return (name, "ok" if max(same) < train.PARITY_WARN else "FAIL",
+    return (name, "ok" if max(same) < run_folder.PARITY_WARN else "FAIL",
             f"max |Δℓ| bf16 {same[0]:.2g} nats, fp32 {same[1]:.2g}; an fp32 rollout recomputed in "
-            f"bf16 {err['fp32', 'bf16']:.2g} (warns above {train.PARITY_WARN})")
+            f"bf16 {err['fp32', 'bf16']:.2g} (warns above {run_folder.PARITY_WARN})")
 
 
 def cpu_figure(preset, tokens, variant):
@@ -301,12 +300,11 @@ def throughput(opts, out):
     settings = st.settings["mar-grpo"]
     traj = mte.sample_trajectories(st.model.diffloss, record.z_final, record.z_final_null, record.cfg_final, a.temperature,
                                    settings.mte_trajectories, plan.diff_steps, processes.seeded(device, 5))
-    uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), settings.top_k)
     adv = grpo.group_advantages(torch.randn(st.B, generator=processes.seeded(device, 9), device=device), st.G)
     loss_module = train.PolicyLoss(st.model)
 
     def update():
-        batch = train.MicroBatch(st.inputs, record, None, [], None, adv, {}, traj, uncertain, [None] * len(record.steps), {})
+        batch = train.MicroBatch(st.inputs, record, None, [], None, adv, {}, traj, [None] * len(record.steps), {})
         train.backward_batch(loss_module, st.ref, batch, settings, bf16)
         st.model.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False) as fc:

@@ -28,11 +28,11 @@ import torch
 import diffloss
 import grpo
 import mar
-import masks
 import mte
 import rollout
+import train
 from diffloss import DiffLoss
-from infra import flags, lora, processes
+from infra import lora, processes
 from models import loading
 
 
@@ -84,7 +84,7 @@ def bench_head_memory(args, opts, out):
         del ref
     else:
         raise ValueError(f"head_memory: --preset {opts.preset} (--model {args.model}): measured for harmon and mar_* presets")
-    settings = flags.grpo_settings(args)
+    settings = train.grpo_settings(args)
     K, S, R = args.train_diff_steps, settings.mte_trajectories, opts.head_rows
     U = max(1, round(settings.top_k * R))  # uncertain rows among them
     scale = L * args.group_size / R
@@ -251,7 +251,7 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, re
     torch.manual_seed(0)
     base = (build(args, side).to(device) if base is None else base).eval().requires_grad_(False)
     inputs = {k: v.to(device) for k, v in condition_inputs(args, base, G).items()}
-    settings = flags.grpo_settings(args)
+    settings = train.grpo_settings(args)
     model = lora.policy(base, lora.spec(base, rank)) if kind == "lora" else loading.make_policy(args, base, settings)
     model.ar_schedule = lambda num_iter, seq_len: [seq_len - 1, 1]  # the two extremes (module docstring)
     for p in model.parameters():  # gradients are counted apart: each is dropped once accumulated, so the
@@ -261,23 +261,22 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, re
     out = {}
     for dtype in dtypes:
         gen = torch.Generator(device).manual_seed(0)
-        with peak_meter(device) as collect:  # as train.collect: the rollout under the run's autocast, MTE in fp32
+        with peak_meter(device) as collect:  # as train.grpo_train: the rollout under the run's autocast, MTE in fp32
             with autocast(dtype, device):
                 _, record = rollout.record_rollout(model, inputs, 2, args.cfg, args.cfg_schedule, args.temperature, plan, gen)
-            traj = uncertain = None
+            traj = None
             if settings.mte_trajectories >= 2:
                 traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
                                                 args.temperature, settings.mte_trajectories, plan.diff_steps, gen)
-                uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), settings.top_k)
         adv = torch.randn(G, generator=gen, device=device)  # any advantages: the memory does not depend on them
-        held = nbytes(dict(record=record, trajectories=traj, uncertain=uncertain))  # exact, where RSS is noisy
+        held = nbytes(dict(record=record, trajectories=traj))  # exact, where RSS is noisy
 
         def steps():  # as train.backward_batch: the forward under autocast, the backward outside it; peaks, seconds
             peaks, t0 = [], time.perf_counter()
             for j in range(2):
                 with peak_meter(device) as step:
                     with autocast(dtype, device):
-                        loss, _, _ = grpo.ar_step_loss(model, base, record, j, inputs, adv, settings, traj, uncertain)
+                        loss, _, _ = grpo.ar_step_loss(model, base, record, j, inputs, adv, settings, traj)
                     (loss / 2).backward()
                     del loss
                 peaks.append(step.peak)
@@ -294,5 +293,5 @@ def measure(args, side, G, kind, rank, device=torch.device("cpu"), base=None, re
                 times[ckpt].append(steps()[1])
         for ckpt in (False, True) if repeats else ():
             out[dtype, ckpt]["seconds"] = statistics.median(times[ckpt])
-        record = traj = uncertain = None  # freed before the next dtype's rollout
+        record = traj = None  # freed before the next dtype's rollout
     return out

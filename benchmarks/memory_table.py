@@ -28,8 +28,9 @@ import time
 import open_clip
 import torch
 
+import train
 from benchmarks import memory
-from infra import flags, lora
+from infra import lora
 from models import loading
 
 GiB = 2 ** 30
@@ -41,7 +42,7 @@ def counts(args, rank):
     with torch.device("meta"):
         model = memory.build(args)
     own = dict(model.named_parameters())
-    trained = loading.trainable_names(args, model, flags.grpo_settings(args).train_head, args.cfg != 1.0)
+    trained = loading.trainable_names(args, model, train.grpo_settings(args).train_head, args.cfg != 1.0)
     blocks = [m for name, m in model.named_modules() if re.fullmatch(type(model).BLOCKS, name)]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     return dict(all=sum(p.numel() for p in own.values()), trained=sum(own[n].numel() for n in trained),
@@ -123,7 +124,7 @@ def bench_memory(args, opts, out):
     n, extra = counts(args, rank), frozen_extras(args)
     out(f"{n['name']} of --preset {opts.preset}: {n['all'] / 1e6:,.1f}M parameters, {n['trained'] / 1e6:,.1f}M trained "
         f"({args.method}), head {n['head'] / 1e6:,.1f}M, LoRA of rank {rank} {n['lora'] / 1e6:,.2f}M; {n['tokens']} tokens, "
-        f"G = {G} images per GPU, K = {args.train_diff_steps}, S = {flags.grpo_settings(args).mte_trajectories}, "
+        f"G = {G} images per GPU, K = {args.train_diff_steps}, S = {train.grpo_settings(args).mte_trajectories}, "
         f"T = {args.num_sampling_steps} (the figures do not depend on T)")
     memory.return_freed_memory()
     g, points = opts.memory_images, [(t, opts.memory_images) for t in opts.memory_tokens]

@@ -58,7 +58,6 @@ import grpo
 import mar
 import train
 from benchmarks import bench
-from infra import flags
 
 # name -> (factory in both codebases, constructor arguments, sampling arguments)
 SETTINGS = {
@@ -275,7 +274,7 @@ def compile_figures(step, out, repeats, update_steps=None):
     adv = grpo.group_advantages(torch.randn(st.B, generator=torch.Generator().manual_seed(7)).to(st.device), st.G)
 
     def update(model, ref, tag):
-        batch = train.MicroBatch(st.inputs, record, None, [], None, adv, {}, step.traj, step.uncertain,
+        batch = train.MicroBatch(st.inputs, record, None, [], None, adv, {}, step.traj,
                                  [None] * len(record.steps), {})
         stats = train.backward_batch(train.PolicyLoss(model), ref, batch, st.settings["mar-grpo"], contextlib.nullcontext)
         model.zero_grad(set_to_none=True)
@@ -318,7 +317,7 @@ if __name__ == "__main__":
     if args.repeats < 1 or args.base_repeats < 1:
         parser.error("--repeats and --base-repeats must be at least 1")
     if args.compile_figures:
-        run_args = flags.parse_args(["--preset", args.compile_figures])
+        run_args = train.parse_args(["--preset", args.compile_figures])
         setting = (bench.mar_base_setting(argparse.Namespace(base_steps="8,12,2"), torch.device("cpu"))
                    if args.compile_figures == "mar_base" else bench.demo_setting(run_args, torch.device("cpu")))
         step = bench.StepBench(setting, methods=()).run(0)  # one rollout and its MTE trajectories

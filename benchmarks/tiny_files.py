@@ -17,7 +17,7 @@ from diffusers import AutoencoderKL
 from safetensors.torch import save_file
 
 from models import harmon, nova
-from models.stand_ins import random_ldm_sd, save_tokenizer
+from benchmarks.stand_ins import random_ldm_sd, save_tokenizer
 
 PROMPTS = ["a red cube", "a blue ball", "the red ball"]  # in the words of the stand-in tokenizer
 HARMON = dict(llm=dict(vocab_size=50, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,

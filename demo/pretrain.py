@@ -41,10 +41,8 @@ from tqdm import tqdm
 import mar
 from demo import shapes
 from infra import checkpoints, processes
-from infra.flags import FRACTION, NONNEG_INT, POS_FLOAT, POS_INT, number, parse_with_preset
-from infra.processes import Ctx, Stop, all_finite
-from models import loading
-from models.vae import PixelCodec
+from infra.flags import FRACTION, NONNEG_INT, POS_FLOAT, POS_INT, PRECISIONS, number, parse_with_preset
+from infra.processes import SEED_STAGES, Ctx, Stop, all_finite
 
 PRESETS = {
     # the world of demo/base.pt: 16×16 images of 64 two-pixel tokens, objects aligned to 8-px cells,
@@ -79,7 +77,7 @@ def build_parser():
     a("--out", default=None, help="output folder for base.pt (default runs/<preset>_base)")
     a("--seed", type=NONNEG_INT, default=0, help="seed of the initial weights and of every step's data and noise")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run")
-    a("--precision", default=None, choices=["bf16", "fp32"],
+    a("--precision", default=None, choices=PRECISIONS,
       help="the forward passes' dtype: bf16 autocast or fp32 (default: bf16 on CUDA, fp32 on the "
            "CPU), as train.py's")
     a("--threads", type=NONNEG_INT, default=0, help="torch CPU threads (0: torch's default)")
@@ -141,7 +139,10 @@ def starting_model(args):
     torch.manual_seed(args.seed)
     model = mar.build_mar(small_mar_config(args))
     if args.pretrain_from is not None:  # continue a base: its (EMA) weights
-        model = loading.load_checkpoint(args.pretrain_from, model=model, flag="--pretrain-from")
+        path = args.pretrain_from
+        ckpt = checkpoints.read_checkpoint(path, "--pretrain-from")
+        model = checkpoints.load_weights(model, checkpoints.model_state(ckpt, path, "--pretrain-from"), path,
+                                         "--pretrain-from")
     return model.train()
 
 
@@ -195,15 +196,16 @@ def learning_rate(args, step):
     return args.pretrain_lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def data(args, ctx, step, codec):
+def data(args, ctx, step):
     """Step `step`'s images and prompt ids for this rank: fresh renders of training-split prompts,
-    a different slice on every rank. Returns latents (B, 3, H, W) in [-1, 1] and ids (B, S)."""
-    rng = np.random.default_rng([args.seed, 1, step, ctx.rank])
+    a different slice on every rank. Returns latents (B, 3, H, W): the pixels in [-1, 1], the small
+    MAR's tokens (models/vae.PixelCodec), and ids (B, S)."""
+    rng = np.random.default_rng([args.seed, SEED_STAGES["pretrain_data"], step, ctx.rank])
     imgs, metas = shapes.make_dataset(args.pretrain_batch // ctx.world, args.img_size, rng, split="train", cell=args.cell,
                                       unmentioned=args.unmentioned, relation_p=args.relation_p,
                                       mirror_p=args.relation_mirror,
                                       categories=tuple(args.categories))  # divisibility: check_inputs
-    x = codec.encode(torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device))
+    x = torch.from_numpy(imgs).permute(0, 3, 1, 2).float().div(255).to(ctx.device) * 2 - 1  # (B, 3, H, W)
     return x, torch.from_numpy(shapes.tokenize([m["prompt"] for m in metas])).to(ctx.device)
 
 
@@ -218,7 +220,6 @@ def pretrain(args, ctx, stops, model):
     net = MAELoss(model)
     if ctx.ddp:
         net = DDP(net, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    codec = PixelCodec()
     ctx.print0(f"pretraining a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter MAR "
                f"for {args.pretrain_steps} steps of {args.pretrain_batch} images"
                + (f", from {args.pretrain_from}" if args.pretrain_from else ""))
@@ -228,11 +229,11 @@ def pretrain(args, ctx, stops, model):
         if signum:
             raise processes.Interrupted(f"interrupted ({signal.Signals(signum).name}) at pretraining step {step}: "
                                         "base.pt is not written (pretraining does not resume)", signum)
-        x, ids = data(args, ctx, step, codec)
+        x, ids = data(args, ctx, step)
         for group in opt.param_groups:
             group["lr"] = learning_rate(args, step)
         with ctx.autocast():
-            loss = net(x, prompt_ids=ids, generator=ctx.generator(2, step))
+            loss = net(x, prompt_ids=ids, generator=ctx.generator(SEED_STAGES["pretrain"], step))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -171,6 +171,23 @@ def relation_chance(metas, size=16, cell=8):
     return float(np.mean(rates))
 
 
+# How an image fails its prompt: every image is exactly one of these ("correct": the score 1)
+FAILURES = ("correct", "missing object", "wrong count", "extra object", "wrong relation")
+
+
+def failure(details):
+    """How an image fails its prompt, the first that applies of FAILURES, from `verify`'s details:
+    a requested object missing (or in another colour or shape), a wrong count, an unrequested
+    object, a wrong relation (the objects exactly right, their placement not); else "correct"."""
+    if details["correct"]:
+        return "correct"
+    if not details["present"]:
+        return "missing object"
+    if not details["count"]:
+        return "wrong count"
+    return "extra object" if details["extra_objects"] else "wrong relation"
+
+
 class ShapesReward(Reward):
     """The verifiable reward of the shapes world (`--reward shapes`): `verify_batch` on the images and
     the prompts' metas (metadata[i] when it is a shapes meta, else `shapes.parse_prompt(prompts[i])`).
@@ -197,3 +214,25 @@ class ShapesReward(Reward):
     def score(self, images, prompts, metadata):
         scores, details = verify_batch(images.cpu(), self.metas(prompts, metadata))
         return torch.as_tensor(np.asarray(scores, dtype=np.float32)), {"details": list(details)}
+
+
+class ShapesPartialReward(ShapesReward):
+    """A reward that pays a partly right image more than an empty one and nothing for copies
+    (`--reward shapes_partial`): half for the requested objects, each drawn exactly as many times as
+    asked, half for the whole image right (the verifier's "correct"),
+
+        r = 1/2 · mean_j 1[found_j = n_j]  +  1/2 · 1[correct]
+
+    For a spatial prompt: 0 for an empty canvas, 0.25 for one of its objects, 0.5 for both drawn once
+    with the relation wrong (or with an extra object), 1 for the right image. The verifier's own score
+    (`shapes`) pays a copy three quarters of an object, which RL exploits (experiments/study.md); a
+    0/1 reward on the whole image pays a missing object like a wrong relation, which RL exploits by
+    dropping objects. info["details"]: the verifier's per-image check results."""
+
+    name = "shapes_partial"
+
+    def score(self, images, prompts, metadata):
+        _, details = verify_batch(images.cpu(), self.metas(prompts, metadata))
+        r = [0.5 * float(np.mean([o["count_ok"] for o in d["objects"]])) + 0.5 * float(d["correct"])
+             for d in details]
+        return torch.tensor(r, dtype=torch.float32), {"details": list(details)}

@@ -27,12 +27,14 @@ imported (experiments/study.py and spatial.py import it), and the command that r
   only, the steps that place the objects.
 """
 
+import functools
 import os
 import sys
 
 import numpy as np
 import torch
 
+import grpo
 import rewards
 import train
 from demo import pretrain, shapes, verifier
@@ -44,7 +46,7 @@ FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96
 RELATION_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "relation.pt")
 RELATION_BASE_SHA256 = "5457450d18789d284542b2fe5c9f8694fe4afe2bfdd8a8dd4a4e699bddcb5948"
 PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, num_iter=16, min_diff_step=2, lr=1e-5, cfg=6.0),
-           "relation": dict(flags.PRESETS["demo"], init=RELATION_BASE)}
+           "relation": dict(flags.SHAPES, init=RELATION_BASE, categories=["spatial"])}
 PRETRAIN_PRESETS = {"free16": dict(img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000),
                     "relation": dict(pretrain.PRESETS["demo"], categories=["spatial"], unmentioned=0.0,
                                      mask_ratio_min=0.9, pretrain_steps=1500, pretrain_lr=5e-4)}
@@ -92,16 +94,28 @@ class ShapesRelationReward(verifier.ShapesReward):
 def lab_flags(p):
     p.add_argument("--train-ar-below", type=flags.NONNEG_INT, default=0,
                    help="draw the trained AR steps from the first N only (0 = from all, as released; not in the paper)")
-    p.add_argument("--loss", default="grpo", choices=sorted(train.LOSSES),
+    p.add_argument("--loss", default="grpo", choices=["grpo", "raft"],
                    help="the update's loss: grpo, or raft (the supervised control of experiments/raft.py; not in the paper)")
 
 
+LAB = [("the lab (experiments/lab.py)", lab_flags)]  # train.py's parser, extended
+
+
+def hooks(args):
+    """grpo_train's keyword arguments for the lab's flags: the loss module and how steps are chosen."""
+    loss = {"grpo": train.PolicyLoss, "raft": lambda model: raft.RAFTLoss(model, args.group_size)}[args.loss]
+    return dict(make_loss=loss, choose_steps=functools.partial(grpo.choose_train_steps, below=args.train_ar_below))
+
+
+def parse_args(argv):
+    """train.py's flags with the lab's presets and flags."""
+    return train.parse_args(argv, LAB)
+
+
 flags.PRESETS.update(PRESETS)
-flags.EXTENSIONS.append(lab_flags)
 pretrain.PRESETS.update(PRETRAIN_PRESETS)
 rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
 rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
-train.LOSSES["raft"] = lambda model, args: raft.RAFTLoss(model, args.group_size)
 
 
 def main(argv=None):
@@ -109,7 +123,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--pretrain"]:
         return processes.cli(pretrain.main, argv[1:])
-    return train.cli(argv)
+    return train.cli(argv, LAB, hooks)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 import rewards
 import rollout
+import train
 from demo import shapes, verifier
 from diffloss import reverse_sample
 from experiments import lab  # noqa: F401  (registers the lab's presets: --preset free16)
 from experiments import spatial
 from infra import flags, processes
-from infra.prompts import Prompts
+from models.prompts import Prompts
 from models import loading, vae
 
 
@@ -308,7 +309,7 @@ def main(argv=None):
     opts, rest = p.parse_known_args(argv)
     if sum(x is not None for x in (opts.context_probe, opts.noise_probe, opts.relation_probe)) != 1:
         p.error("give one of --context-probe BASE, --noise-probe BASE and --relation-probe BASE")
-    args = flags.parse_args(rest)
+    args = train.parse_args(rest)
     if args.threads:
         torch.set_num_threads(args.threads)
     say = lambda s: print(s, flush=True)  # noqa: E731

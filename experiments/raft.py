@@ -40,7 +40,7 @@ class RAFTLoss(nn.Module):
     def forward(self, ref, batch, j, settings, old):
         with torch.no_grad():  # GRPO's statistics of this step, for the same metrics
             _, stats, old = grpo.ar_step_loss(self.model, ref, batch.record, j, batch.inputs, batch.adv, settings,
-                                              batch.trajectories, batch.uncertain, old)
+                                              batch.trajectories, old)
         best = group_best(batch.scores, self.group_size)  # (n,)
         if len(best) == 0:
             loss = sum(p.sum() * 0 for p in self.model.parameters() if p.requires_grad)

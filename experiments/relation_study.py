@@ -1,17 +1,21 @@
-"""The paper's comparison on a base that half-follows spatial relations (experiments/study.md,
-"Spatial relations"): every arm trains on the 312 training-split spatial prompts with a reward that
-copies cannot pay (`--reward shapes_relation`: 1 only where both objects are drawn once, nothing
-else is, and the relation holds), from the preset's base, then each run's last checkpoint and the
-base are evaluated on every spatial prompt of both splits at each τ of TAUS (`spatial.evaluate_spatial`,
-the same seeds for every model).
+"""The paper's comparison on spatial relations (experiments/study.md, "Spatial relations"): every arm
+trains on the 312 training-split spatial prompts from a preset's base, then the base and each run's
+last checkpoint are scored on every spatial prompt of both splits at each τ of the sweep
+(`python -m experiments.spatial --sweep`: evaluate.temperature_sweep, the same seeds for every model
+and τ), each at its best τ chosen on the training split.
 
-    python -m experiments.relation_study [--out runs/relation] [--seeds 3] [--steps 60] [--arms a,b]
+    python -m experiments.relation_study [--out runs/relation] [--preset relation]
+        [--reward shapes_relation] [--seeds 3] [--steps 60] [--arms a,b] [--base-cfgs 1,3]
         [--report-only] [train.py flags for every run]
 
-Runs go two at a time with one thread each; finished runs and evaluations are skipped, an
-interrupted run resumes. The report (relation.json, relation.md, relation.png in --out) gives per arm
-and seed relation | both and strict accuracy at τ 1 and at the arm's best τ (chosen on the training
-split), with binomial standard errors, the gradient norm's mean and std/mean, and the KL at the end.
+The base is also swept over guidance weights (--base-cfgs): what sampling the base alone can reach.
+Runs go two at a time with one thread each; finished runs and sweeps are skipped, an interrupted run
+resumes. The report (relation.json, relation.md, relation.png in --out) gives per arm and seed the
+held-out strict accuracy (every check of the verifier passes, a share of all images) at τ 1 and at
+the run's best τ with binomial standard errors, the share of images whose objects are each drawn once
+with the relation right, relation | both beside it, how the images fail (missing object, wrong count,
+extra object, wrong relation), the gain over the base at the base's best setting, the gradient norm's
+mean and std/mean, and the KL at the end; per arm the mean ± the sample standard deviation over seeds.
 """
 
 import argparse
@@ -21,11 +25,12 @@ import sys
 
 import numpy as np
 
+import evaluate
+from demo import verifier
 from experiments import lab, spatial
 from experiments.study import run_jobs, shell_chain, slug
-from infra import checkpoints, flags, processes
+from infra import checkpoints, flags, processes, tables
 
-PRESET = "relation"  # lab.py: the half-following base experiments/bases/relation.pt, the demo's sampling
 RAFT_LR = "1e-4"
 ARMS = {  # arm -> flags
     "mar-grpo": ["--method", "mar-grpo"],
@@ -33,122 +38,164 @@ ARMS = {  # arm -> flags
     "grpo-fixed-head": ["--method", "grpo-fixed-head"],
     "raft": ["--method", "grpo-fixed-head", "--loss", "raft", "--lr", RAFT_LR],  # the supervised control
 }
-RUN = ["--reward", "shapes_relation", "--eval-prompts", "0", "--keep-last", "1", "--save-every", "25"]
-TAUS = ("1", "0.6")
-TARGET = dict(heldout=0.85, gain=0.20)  # relation | both held out at τ 1, and its gain over the base in every seed
+RUN = ["--eval-prompts", "0", "--keep-last", "1", "--save-every", "25"]
+# the bar of a result RL earns: held-out strict accuracy, each at its best τ, above the base at its best
+# sampling setting (τ and guidance) by this much in every seed
+TARGET_GAIN = 0.10
 
 
-def evals(ckpt, out):
-    """The commands that evaluate `ckpt` at every τ of TAUS into out/eval_tau<τ>.json (those not done)."""
-    py = [sys.executable, "-m", spatial.__name__]
-    return [py + ["--eval", ckpt, "--temperature", t, "--json", os.path.join(out, f"eval_tau{t}.json"), "--threads", "1",
-                  "--preset", PRESET]
-            for t in TAUS if not os.path.exists(os.path.join(out, f"eval_tau{t}.json"))]
+def sweep_command(ckpt, out, preset, cfgs=None):
+    """The command that sweeps `ckpt` into out/sweep.json (images beside it), or None if done."""
+    if os.path.exists(os.path.join(out, "sweep.json")):
+        return None
+    return ([sys.executable, "-m", spatial.__name__, "--sweep", ckpt, "--json", os.path.join(out, "sweep.json"),
+             "--threads", "1", "--preset", preset] + (["--eval-cfgs", cfgs] if cfgs else []))
 
 
 def run(opts, extra):
-    """Every arm × seed, then the evaluations; returns `report`."""
+    """Every arm × seed, then the sweeps; returns `report`."""
     root = opts.out
     arms = {a: f for a, f in ARMS.items() if not opts.arms or slug(a) in opts.arms.split(",")}
+    run_flags = ["--preset", opts.preset, "--reward", opts.reward] + RUN + extra
     for arm_flags in arms.values():  # every run's flags parse before the first run starts
-        flags.parse_args(["--preset", PRESET] + RUN + extra + arm_flags)
+        lab.parse_args(run_flags + arm_flags)
     checkpoints.check_writable(root, "--out")
     os.makedirs(root, exist_ok=True)
     prompts = os.path.join(root, "train_spatial.txt")
     with open(prompts, "w") as f:
         f.writelines(m["prompt"] + "\n" for m in spatial.spatial_prompts("train"))
     jobs = []
-    base_evals = evals(flags.PRESETS[PRESET]["init"], os.path.join(root, "base"))
-    if base_evals:
+    base_sweep = sweep_command(flags.PRESETS[opts.preset]["init"], os.path.join(root, "base"), opts.preset,
+                               opts.base_cfgs)
+    if base_sweep:
         os.makedirs(os.path.join(root, "base"), exist_ok=True)
-        jobs.append(("base", os.path.join(root, "log_base.txt"), shell_chain(base_evals)))
+        jobs.append(("base", os.path.join(root, "log_base.txt"), shell_chain([base_sweep])))
     for arm, arm_flags in arms.items():
         for seed in range(opts.seeds):
             out = os.path.join(root, slug(arm), f"seed{seed}")
+            last = os.path.join(out, "ckpt", f"step_{opts.steps:06d}.pt")
             cmds = []
-            if not os.path.exists(os.path.join(out, "ckpt", f"step_{opts.steps:06d}.pt")):
-                cmds.append([sys.executable, "-m", lab.__name__, "--preset", PRESET, "--prompts", prompts, "--steps",
-                             str(opts.steps), "--seed", str(seed), "--out", out, "--threads", "1", "--resume", "auto"]
-                            + RUN + extra + arm_flags)
-            cmds += evals(os.path.join(out, "ckpt", f"step_{opts.steps:06d}.pt"), out)
+            if not os.path.exists(last):
+                cmds.append([sys.executable, "-m", lab.__name__, "--prompts", prompts, "--steps", str(opts.steps),
+                             "--seed", str(seed), "--out", out, "--threads", "1", "--resume", "auto"]
+                            + run_flags + arm_flags)
+            cmds += [c for c in [sweep_command(last, out, opts.preset)] if c]
             if cmds:
                 jobs.append((f"{arm} seed {seed}", os.path.join(root, f"log_{slug(arm)}_{seed}.txt"), shell_chain(cmds)))
     run_jobs(jobs, "relation study")
     return report(opts, arms)
 
 
-def figures(folder):
-    """One model's evaluations: {τ: {split: (relation | both, its n, accuracy, its n)}}, or None if not all done."""
-    res = {}
-    for t in TAUS:
-        try:
-            with open(os.path.join(folder, f"eval_tau{t}.json")) as f:
-                ev = json.load(f)
-        except (OSError, ValueError):
-            return None
-        res[t] = {s: (ev[s]["relation_rate_given_both"], ev[s]["both"], ev[s]["accuracy"], ev[s]["images"])
-                  for s in ("train", "heldout")}
-    return res
+def read_sweep(folder):
+    """A model's sweep (evaluate.temperature_sweep's dict), or None if it has not finished."""
+    try:
+        with open(os.path.join(folder, "sweep.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
-def best_tau(fig):
-    """The τ of TAUS whose training-split accuracy is highest (the first of equal ones)."""
-    return max(TAUS, key=lambda t: fig[t]["train"][2])
+def at_w1(sweep):
+    """The sweep restricted to unguided sampling (w None or 1), its best chosen again on it."""
+    sub = dict(sweep, cells=[c for c in sweep["cells"] if c["cfg"] in (None, 1.0)])
+    sub["best"] = evaluate.best_setting(sub)
+    return sub
 
 
-def describe(fig, t):
-    """'relation | both train / held out, accuracy train / held out' at τ t, with binomial SEMs."""
-    (rt, nt, at, it), (rh, nh, ah, ih) = fig[t]["train"], fig[t]["heldout"]
-    return (f"{rt:.1%} ± {spatial.sem(rt, nt):.1%} / {rh:.1%} ± {spatial.sem(rh, nh):.1%}",
-            f"{at:.1%} ± {spatial.sem(at, it):.1%} / {ah:.1%} ± {spatial.sem(ah, ih):.1%}")
+def figures(sweep, split, setting=None):
+    """A split's figures at a setting (default: the sweep's best): strict accuracy, relation right
+    (objects once each), relation | both, n, images with both objects, failure shares."""
+    c = evaluate.cell(sweep, split, setting)
+    return dict(accuracy=c["accuracy"], relation_right=c["relation_right"], relation_given_both=c["relation_given_both"],
+                n=c["n"], both=c["both"], failures=c["failures"])
+
+
+def describe(f):
+    """'accuracy ± SEM | relation right | relation | both (n both) | failure shares' cells."""
+    fails = f["failures"]
+    return (f"{f['accuracy']:.1%} ± {evaluate.binomial_sem(f['accuracy'], f['n']):.1%} | {f['relation_right']:.1%} | "
+            f"{f['relation_given_both']:.1%} ({f['both']}) | "
+            + " / ".join(f"{fails[m]:.0%}" for m in verifier.FAILURES[1:]))
+
+
+def sweep_table(name, sweep):
+    """Markdown rows of every cell of a sweep: setting, split, strict accuracy ± SEM (n), relation
+    right, relation | both (n both), failure shares; * marks the best setting."""
+    lines = []
+    for c in sweep["cells"]:
+        setting = {"temperature": c["temperature"], "cfg": c["cfg"]}
+        star = " *" if setting == sweep["best"] else ""
+        lines.append(f"| {name} | {tables.setting_name(setting)}{star} | {c['split']} | {c['n']} | "
+                     + describe(figures(sweep, c["split"], setting)) + " |")
+    return lines
 
 
 def report(opts, arms=None):
     """relation.json / relation.md / relation.png in --out from the finished runs; returns the figures."""
     root, arms = opts.out, arms or ARMS
-    base = figures(os.path.join(root, "base"))
+    base = read_sweep(os.path.join(root, "base"))
     res = {"base": base, "arms": {}}
-    header = ("| model | seed | τ | relation \\| both, train / held out | accuracy, train / held out | "
-              "gain held out (τ 1) | gradient norm mean, std/mean | KL, last 10 steps |")
-    lines = [header, "|" + "---|" * 8]
+    cols = ("| model | setting | split | n | strict accuracy | relation right | relation \\| both (n both) | "
+            "missing / wrong count / extra / wrong relation |")
+    sweeps_md = [cols, "|" + "---|" * 8]
+    runs_md = ["| arm | seed | best τ | held out at τ 1: strict accuracy | relation right | relation \\| both "
+               "(n both) | failures | held out at its best τ: strict accuracy | relation right | relation \\| "
+               "both (n both) | failures | gain over the base at its best | gradient norm mean, std/mean | "
+               "KL, last 10 steps |", "|" + "---|" * 15]
+    base_best = None
     if base:
-        for t in ("1", best_tau(base)):
-            lines.append(f"| base | | {t} | " + " | ".join(describe(base, t)) + " | | | |")
+        sweeps_md += sweep_table("base", base)
+        base_best = figures(base, "heldout")["accuracy"]  # the base at its best τ and guidance
+        res["base_best"] = dict(setting=base["best"], heldout=figures(base, "heldout"),
+                                unguided=dict(setting=at_w1(base)["best"], heldout=figures(at_w1(base), "heldout")))
     curves = {}
+    tau1 = {"temperature": 1.0, "cfg": None}
     for arm in arms:
         for seed in range(opts.seeds):
             out = os.path.join(root, slug(arm), f"seed{seed}")
-            fig = figures(out)
-            if fig is None or not os.path.exists(os.path.join(out, "metrics.jsonl")):
+            sweep = read_sweep(out)
+            if sweep is None or not os.path.exists(os.path.join(out, "metrics.jsonl")):
                 continue
             metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             grad = np.array([r["grad_norm"] for r in metrics])
-            rec = dict(fig=fig, best_tau=best_tau(fig), grad_norm_mean=float(grad.mean()),
-                       grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in metrics[-10:]])),
-                       gain=fig["1"]["heldout"][0] - base["1"]["heldout"][0] if base else None)
+            at1, best = figures(sweep, "heldout", tau1), figures(sweep, "heldout")
+            rec = dict(best=sweep["best"], heldout_tau1=at1, heldout_best=best, train_best=figures(sweep, "train"),
+                       grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
+                       kl_last=float(np.mean([r["kl"] for r in metrics[-10:]])),
+                       gain=None if base_best is None else best["accuracy"] - base_best)
             res["arms"].setdefault(arm, []).append(rec)
             curves.setdefault(arm, []).append(metrics)
-            for t in ("1",) + ((rec["best_tau"],) if rec["best_tau"] != "1" else ()):
-                gain = f"{rec['gain']:+.1%}" if t == "1" and rec["gain"] is not None else ""
-                lines.append(f"| {arm} | {seed} | {t} | " + " | ".join(describe(fig, t)) + f" | {gain} | "
-                             f"{rec['grad_norm_mean']:.3g}, {rec['grad_norm_cv']:.2f} | {rec['kl_last']:.2e} |")
-    base_best = max(base[t]["heldout"][0] for t in TAUS) if base else float("inf")  # the base at its best τ
+            sweeps_md += sweep_table(f"{arm} {seed}", sweep)
+            gain = "" if rec["gain"] is None else f"{100 * rec['gain']:+.1f}"
+            runs_md.append(f"| {arm} | {seed} | {sweep['best']['temperature']:g} | {describe(at1)} | {describe(best)} | "
+                           f"{gain} | {rec['grad_norm_mean']:.3g}, {rec['grad_norm_cv']:.2f} | {rec['kl_last']:.2e} |")
+    summary_md = []
     for arm, recs in res["arms"].items():
-        held = [r["fig"]["1"]["heldout"][0] for r in recs]
-        met = len(recs) == opts.seeds and all(h >= TARGET["heldout"] and h > base_best for h in held) and all(
-            r["gain"] is not None and r["gain"] >= TARGET["gain"] for r in recs)
-        res["arms"][arm] = dict(runs=recs, heldout_relation_mean=float(np.mean(held)),
-                                heldout_relation_std=float(np.std(held)), target_met=bool(met))
-    text = "\n".join(lines + [""] + [
-        f"{arm}: relation | both held out at τ 1 {r['heldout_relation_mean']:.1%} ± {r['heldout_relation_std']:.1%} "
-        f"over {len(r['runs'])} seeds; target (≥ {TARGET['heldout']:.0%}, a gain ≥ {TARGET['gain'] * 100:.0f} points and "
-        "above the base's best τ, in every seed) "
-        + ("met" if r["target_met"] else "not met") for arm, r in res["arms"].items()])
+        held = [r["heldout_best"]["accuracy"] for r in recs]
+        gains = [r["gain"] for r in recs if r["gain"] is not None]
+        met = len(recs) == opts.seeds and len(gains) == len(recs) and all(g >= TARGET_GAIN for g in gains)
+        std = lambda x: float(np.std(x, ddof=1)) if len(x) > 1 else None  # noqa: E731  (sample std over seeds)
+        res["arms"][arm] = dict(runs=recs, heldout_best_mean=float(np.mean(held)), heldout_best_std=std(held),
+                                gain_mean=float(np.mean(gains)) if gains else None, gain_std=std(gains),
+                                target_met=bool(met))
+        r = res["arms"][arm]
+        spread = "" if r["heldout_best_std"] is None else f" ± {r['heldout_best_std']:.1%} (sample std)"
+        summary_md.append(
+            f"{arm}: held-out strict accuracy at its best τ {r['heldout_best_mean']:.1%}{spread} over {len(recs)} "
+            f"seeds; gains over the base at its best: " + ", ".join(f"{100 * g:+.1f}" for g in gains)
+            + f"; target (≥ +{100 * TARGET_GAIN:.0f} points in every seed) " + ("met" if met else "not met"))
+    head = []
+    if base:
+        b, u = res["base_best"], res["base_best"]["unguided"]
+        head = [f"base at its best setting ({tables.setting_name(b['setting'])}, chosen on the training split): "
+                f"held out {describe(b['heldout'])}; unguided, at {tables.setting_name(u['setting'])}: "
+                f"{describe(u['heldout'])}", ""]
+    text = "\n".join(head + runs_md + [""] + summary_md + ["", "Every sweep's cells:", ""] + sweeps_md)
     with open(os.path.join(root, "relation.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(root, "relation.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(text)
+    print("\n".join(head + runs_md + [""] + summary_md))
     if curves:
         spatial.plot_groups(curves, os.path.join(root, "relation.png"), w=5)
     return res
@@ -159,11 +206,16 @@ def main(argv=None):
     p = processes.Parser(prog="python -m experiments.relation_study", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/relation", help="the comparison's folder")
+    p.add_argument("--preset", default="relation", choices=sorted(flags.PRESETS), help="the runs' preset (its base)")
+    p.add_argument("--reward", default="shapes_relation", help="the runs' reward")
     p.add_argument("--seeds", type=flags.POS_INT, default=3, help="seeds per arm")
     p.add_argument("--steps", type=flags.POS_INT, default=60, help="GRPO steps per run")
     p.add_argument("--arms", default="", help=f"only these arms (of {', '.join(ARMS)})")
+    p.add_argument("--base-cfgs", default=None, metavar="W,W,...", help="the base's sweep over guidance weights too")
     p.add_argument("--report-only", action="store_true", help="only aggregate the finished runs")
     opts, rest = p.parse_known_args(argv)
+    if opts.base_cfgs:
+        flags.POS_FLOATS(opts.base_cfgs)  # a bad list: one line, before any run
     return report(opts) if opts.report_only else run(opts, rest)
 
 

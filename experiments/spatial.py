@@ -4,6 +4,8 @@ signal for RL on spatial prompts, and where in a rollout is the placement decide
     python -m experiments.spatial --probe demo/base.pt --threads 1          # the measurements, at the demo's τ
     python -m experiments.spatial --probe demo/base.pt --temperature 0.5    # ... at another τ
     python -m experiments.spatial --eval CKPT [--temperature T] [--split train|heldout]   # spatial accuracy only
+    python -m experiments.spatial --sweep CKPT --json FILE [--eval-temperatures ...] [--eval-cfgs ...]
+        # every spatial prompt of both splits at each τ (evaluate.temperature_sweep), its best on the training split
     python -m experiments.spatial --write-prompts FILE   # the 312 training-split spatial prompts, one a line (--prompts)
     python -m experiments.spatial --report RUN [RUN ...] [--block N] [--plot PNG]   # reward blocks, gradient norm, KL
 
@@ -32,7 +34,6 @@ Measurements (`probe`), each on a stated set of spatial prompts and seeds:
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -40,24 +41,19 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+import evaluate
+import train
 from demo import shapes, verifier
 from diffloss import reverse_sample
 from experiments import lab  # noqa: F401  (registers the reward shapes_relation, the flag --train-ar-below)
 from infra import checkpoints, flags, processes
 from infra.figures import save_grid
-from infra.prompts import Prompts
+from models.prompts import Prompts
 from models import loading, vae
 
 def spatial_prompts(split):
     """Every spatial prompt of a split ("train": 312, "heldout": 216), as shapes metas, in a fixed order."""
     return [m for m in shapes.all_prompts(split) if m["category"] == "spatial"]
-
-
-def pass_at(n, c, k):
-    """The unbiased pass@k of n samples with c correct: 1 − C(n−c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def outcome(details):
@@ -84,7 +80,7 @@ def group_signal(scores, details, G):
                both=int(both.sum()), relation_given_both=int((relation & both).sum()),
                relation_rate_given_both=float((relation & both).sum() / max(both.sum(), 1)))
     c = correct.sum(1)
-    res["pass_at"] = {k: float(np.mean([pass_at(G, int(ci), k) for ci in c])) for k in range(1, G + 1)}
+    res["pass_at"] = {k: float(np.mean([evaluate.pass_at(G, int(ci), k) for ci in c])) for k in range(1, G + 1)}
     return res
 
 
@@ -223,11 +219,6 @@ def diffusion_flips(model, metas, num_iter, temperature, seed, ar_steps=(0, 1, 2
     return res
 
 
-def sem(p, n):
-    """Binomial standard error of a rate p over n."""
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
-
-
 def probe(model, args, out, G=6, seed=0):
     """The measurements of the module docstring on `model` at args.temperature; prints and returns them."""
     T, N = args.temperature, args.num_iter
@@ -236,12 +227,12 @@ def probe(model, args, out, G=6, seed=0):
         r = group_signal(*sample_groups(model, spatial_prompts(split), G, N, T, seed), G)
         res[split] = r
         out(f"{split}: {r['groups']} spatial prompts × G = {G} at τ {T:g}: accuracy {r['accuracy']:.3f} "
-            f"± {sem(r['accuracy'], r['images']):.3f}, reward {r['reward_mean']:.3f}")
+            f"± {evaluate.binomial_sem(r['accuracy'], r['images']):.3f}, reward {r['reward_mean']:.3f}")
         out(f"  groups with a correct image {r['groups_any_correct']:.3f}, with a right relation "
             f"{r['groups_any_relation']:.3f}, whose reward varies {r['groups_reward_varies']:.3f}; within-group "
             f"variance: reward {r['reward_var_within']:.4f}, relation {r['relation_var_within']:.4f}")
         out(f"  relation | both objects drawn: {r['relation_given_both']}/{r['both']} = {r['relation_rate_given_both']:.3f} "
-            f"± {sem(r['relation_rate_given_both'], r['both']):.3f} (chance {verifier.relation_chance(spatial_prompts(split)):.3f}); best-of-N: "
+            f"± {evaluate.binomial_sem(r['relation_rate_given_both'], r['both']):.3f} (chance {verifier.relation_chance(spatial_prompts(split)):.3f}); best-of-N: "
             + ", ".join(f"N={k} {v:.3f}" for k, v in r["pass_at"].items()))
     metas = spatial_prompts("train")[::3]  # 104 training-split spatial prompts, one image each
     d = decision_probe(model, metas, N, T, seed + 1, branches=4, starts=(0, 1, 2, 3, 4, 5, 6, 8, 12))
@@ -315,6 +306,10 @@ def main(argv=None):
     p = processes.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--probe", default=None, metavar="CKPT", help="the measurements of the module docstring")
     p.add_argument("--eval", default=None, metavar="CKPT", help="spatial accuracy of a base or GRPO checkpoint")
+    p.add_argument("--sweep", default=None, metavar="CKPT", help="spatial figures of a checkpoint at each τ of "
+                   "--eval-temperatures (× --eval-cfgs), its best τ chosen on the training split (sweep)")
+    p.add_argument("--eval-cfgs", type=flags.POS_FLOATS, default=(None,), help="--sweep: guidance weights too")
+    p.add_argument("--images-dir", default=None, help="--sweep: where the images go (default: beside --json)")
     p.add_argument("--report", nargs="+", default=None, metavar="RUN", help="run folders: run_summary of each")
     p.add_argument("--block", type=int, default=20, help="--report: steps per block of the reward")
     p.add_argument("--plot", default=None, metavar="PNG", help="--report: the runs' reward and gradient-norm curves")
@@ -349,11 +344,19 @@ def main(argv=None):
         with open(opts.write_prompts, "w") as f:
             f.writelines(m["prompt"] + "\n" for m in spatial_prompts("train"))
         return None
-    if (opts.probe is None) == (opts.eval is None):
-        p.error("give one of --probe CKPT, --eval CKPT and --write-prompts FILE")
+    if sum(x is not None for x in (opts.probe, opts.eval, opts.sweep)) != 1:
+        p.error("give one of --probe CKPT, --eval CKPT, --sweep CKPT and --write-prompts FILE")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    args = flags.parse_args(["--preset", "demo"] + rest)
+    args = train.parse_args(["--preset", "demo"] + rest)
+    if opts.sweep:
+        if opts.json is None:
+            raise ValueError("--sweep: give --json FILE, where the sweep goes")
+        out = opts.images_dir or os.path.splitext(opts.json)[0]
+        res = sweep(args, opts.sweep, out, opts.images, opts.eval_cfgs)
+        with open(opts.json, "w") as f:
+            json.dump(res, f, indent=1)
+        return res
     if args.cfg != 1.0:
         raise ValueError("--cfg: these probes sample without guidance (CFG 1), as the demo does")
     model = loading.load_policy(args, opts.probe or opts.eval, "--probe" if opts.probe else "--eval")
@@ -368,6 +371,21 @@ def main(argv=None):
     return res
 
 
+def sweep(args, path, out_dir, images=2, cfgs=(None,)):
+    """The checkpoint at `path` on every spatial prompt of both splits, `images` each, at every τ of
+    args.eval_temperatures (× the guidance weights `cfgs`) through evaluate.py's one loop (the same
+    seeds for every model and τ), its best chosen on the training split's strict accuracy. Images
+    and scores in out_dir/tau<τ>/<split>/. Returns evaluate.temperature_sweep's dict."""
+    args.out, args.eval_images_per_prompt = out_dir, images
+    ctx = processes.Ctx(args)
+    model = loading.load_policy(args, path, "--sweep").to(ctx.device).requires_grad_(False)
+    codec, prompts = loading.load_codec(args, model, ctx.device), loading.load_prompts(args, model)
+    splits = {split: spatial_prompts(split) for split in ("train", "heldout")}
+    temperatures = sorted({*args.eval_temperatures, args.temperature})
+    return evaluate.sweep_splits(args, ctx, model, codec, prompts, splits, {"shapes": verifier.ShapesReward()},
+                                 out_dir, temperatures, cfgs)
+
+
 def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
     """Spatial accuracy of `model` on every spatial prompt of the split(s), `images` each, at
     args.temperature; the same seeds for every model. Returns {split: group_signal's dict}."""
@@ -377,7 +395,7 @@ def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
         r = group_signal(*sample_groups(model, spatial_prompts(s), images, args.num_iter, args.temperature, seed,
                                         grid=grid), images)
         res[s] = r
-        out(f"{s}: accuracy {r['accuracy']:.3f} ± {sem(r['accuracy'], r['images']):.3f} ({r['images']} images, τ "
+        out(f"{s}: accuracy {r['accuracy']:.3f} ± {evaluate.binomial_sem(r['accuracy'], r['images']):.3f} ({r['images']} images, τ "
             f"{args.temperature:g}), both objects {r['both']}, relation | both {r['relation_given_both']}/{r['both']} = "
             f"{r['relation_rate_given_both']:.3f}, reward {r['reward_mean']:.3f}; images with an extra object "
             f"{r['extra']:.3f}, with a wrong count {r['counts_off']:.3f}")

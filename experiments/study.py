@@ -123,7 +123,7 @@ def study(opts, extra):
     for name in opts.study:  # every run's flags parse before the first run starts (a bad one: one line, nothing written)
         spec = _table(opts, name)
         for arm_flags in spec["arms"].values():
-            flags.parse_args(extra + arm_flags + (["--lr", spec["lr"]] if spec["lr"] else [])
+            lab.parse_args(extra + arm_flags + (["--lr", spec["lr"]] if spec["lr"] else [])
                              + (["--reward", spec["reward"]] if spec["reward"] else []) + opts.study_train_flags.split())
     checkpoints.check_writable(root, "--study-out")
     os.makedirs(root, exist_ok=True)
@@ -246,7 +246,7 @@ def sample_grid(root, name, spec, path, per_prompt=2):
     images, captions, labels = [], [], []
     for label, folder in rows:
         try:
-            results = [json.loads(line) for line in open(os.path.join(folder, "results.jsonl"))]
+            results = [json.loads(line) for line in open(os.path.join(folder, "scores.jsonl"))]
         except OSError:
             continue
         per = len(results) // len(STUDY_PROMPTS)  # the images of a prompt are consecutive

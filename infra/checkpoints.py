@@ -136,6 +136,21 @@ def state_dict_mismatch(own, sd, ignore=(), display=str):
                                           ("wrong shape (file vs model)", wrong)) if items)
 
 
+def model_state(ckpt, path, flag="--init", ema=True):
+    """The state dict of a MAR checkpoint's contents: 'model_ema' where `ema` and the file has it
+    (the official default), else 'model'; a one-line ValueError naming `flag` for anything else."""
+    if not isinstance(ckpt, dict) or not ("model" in ckpt or "model_ema" in ckpt):
+        raise ValueError(f"{flag} {path}: not a MAR checkpoint (expected a dict with 'model' or 'model_ema')")
+    return ckpt["model_ema"] if ema and "model_ema" in ckpt else ckpt.get("model", ckpt.get("model_ema"))
+
+
+def load_weights(model, sd, path, flag="--init"):
+    """`sd` loaded into `model`, strictly, after `check_state_dict`. Returns the model."""
+    check_state_dict(model, sd, path, flag)
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
 def check_state_dict(model, sd, path, flag="--init", ignore=()):
     """Raise a one-line ValueError naming `flag`, `path` and the first keys where `sd` does not fit
     `model` (missing, unexpected, wrong shape). `ignore`: key prefixes that may be missing."""

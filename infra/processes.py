@@ -24,6 +24,20 @@ import torch.distributed as dist
 from rewards import RewardFailed
 
 
+# The seed stages: every seeded draw of the project is seeded by (--seed, its stage, ...), so no two
+# kinds of draw share a random stream. numpy streams: np.random.default_rng([seed, stage, ...]).
+SEED_STAGES = dict(
+    pretrain_data=1,   # demo/pretrain.py: the rendered images of a step (numpy), per rank
+    pretrain=2,        # demo/pretrain.py: the MAE masks and the diffusion loss's noise
+    train_steps=3,     # train.py: which AR and diffusion steps a rollout records
+    rollout=4,         # train.py: the rollouts' generation orders and head noise
+    mte=5,             # train.py: MTE's S head trajectories
+    evaluation=6,      # evaluate.py: every evaluation image, per batch
+    prompts=7,         # models/prompts.py: a step's prompts (numpy)
+    eval_prompts=8,    # models/prompts.py: the evaluated shapes prompts of a split (numpy)
+)
+
+
 def seeded(device, *parts):
     """A torch.Generator on `device`, seeded by a tuple of ints (seed, stage, step, rank). The one
     way this script makes seeded randomness: the generator lives where the draws happen (a CUDA

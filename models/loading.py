@@ -33,11 +33,12 @@ import os
 import torch.nn as nn
 
 import mar
-from infra import checkpoints, lora
-from infra.prompts import Prompts, prompt_text, read_prompt_file
+from demo import shapes
+from infra import checkpoints, flags, lora
 from models import vae
+from models.prompts import Prompts, prompt_text, read_prompt_file
 
-MODELS = ["small", "mar_base", "mar_large", "mar_huge", "harmon", "nova"]
+MODELS = flags.MODELS  # what --model names
 
 
 def adapter(name):
@@ -97,17 +98,13 @@ def load_checkpoint(path, ema=True, model=None, flag="--init", ckpt=None, **over
            entries (e.g. num_sampling_steps="100"); ckpt: the file's contents when already read.
     """
     ckpt = checkpoints.read_checkpoint(path, flag) if ckpt is None else ckpt
-    if not isinstance(ckpt, dict) or not ("model" in ckpt or "model_ema" in ckpt):
-        raise ValueError(f"{flag} {path}: not a MAR checkpoint (expected a dict with 'model' or 'model_ema')")
-    sd = ckpt["model_ema"] if ema and "model_ema" in ckpt else ckpt.get("model", ckpt.get("model_ema"))
+    sd = checkpoints.model_state(ckpt, path, flag, ema)
     if model is None:
         if "z_proj.weight" not in sd:
             raise ValueError(f"{flag} {path}: not a MAR checkpoint (no 'z_proj.weight' in its state dict)")
         config = ckpt["config"] if isinstance(ckpt.get("config"), dict) else mar_config_from_state_dict(sd, ckpt.get("args"))
         model = mar.build_mar({**config, **overrides})
-    checkpoints.check_state_dict(model, sd, path, flag)
-    model.load_state_dict(sd, strict=True)
-    return model.eval()
+    return checkpoints.load_weights(model, sd, path, flag).eval()
 
 
 def load_policy(args, path, flag="--init"):
@@ -207,24 +204,37 @@ def load_codec(args, model, device="cpu"):
     return vae.VAECodec(vae.load_vae(args.vae).to(device))
 
 
-def load_prompts(args, model):
-    """The run's Prompts: shapes prompts, class indices, or text lines encoded for the model."""
+def check_prompt_files(args):
+    """Before anything is loaded: --prompts parses (shapes prompts for the small model, text lines or
+    released records for Harmon and NOVA; a class file is checked against its model when loaded), and
+    --categories names categories of the shapes world. One-line errors naming the flag."""
+    unknown = [c for c in args.categories if c not in shapes.CATEGORIES]
+    if unknown or not args.categories:
+        raise ValueError(f"--categories {' '.join(args.categories)}: choose from {', '.join(shapes.CATEGORIES)}")
+    if args.prompts is not None and args.model in ("small", "harmon", "nova"):
+        read_prompt_file(args.prompts, "shapes" if args.model == "small" else "text")
+
+
+def load_prompts(args, model, path=None, flag="--prompts"):
+    """The run's Prompts: shapes prompts, class indices, or text lines encoded for the model, from
+    --prompts (or the prompt file `path` of `flag`, e.g. evaluate.py's --choose-prompts)."""
+    path = args.prompts if path is None else path
     if args.model == "small":
-        items = read_prompt_file(args.prompts, "shapes") if args.prompts else None
-        return Prompts("shapes", items, args.split)
+        items = read_prompt_file(path, "shapes", flag=flag) if path else None
+        return Prompts("shapes", items, args.split, categories=args.categories)
     if args.model.startswith("mar_"):
-        items = read_prompt_file(args.prompts, "class", model.num_classes) if args.prompts else None
+        items = read_prompt_file(path, "class", model.num_classes, flag) if path else None
         return Prompts("class", items, num_classes=model.num_classes)
-    if args.prompts is None:
-        raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
-    items = read_prompt_file(args.prompts, "text")  # lines, or the released metadata records
+    if path is None:
+        raise ValueError(f"{flag}: --model {args.model} needs a prompt file (one prompt per line)")
+    items = read_prompt_file(path, "text", flag=flag)  # lines, or the released metadata records
     return Prompts("text", items, encode=text_encoder(args, model, [prompt_text(it) for it in items]))
 
 
 def text_encoder(args, model, texts):
     """prompts (list of str), device -> condition inputs: Harmon's tokenizer (--tokenizer, a local
-    folder), or NOVA's precomputed embeddings (--prompt-embeds, written by `python -m infra.prompts
-    embed-nova`), which must hold every prompt of `texts`."""
+    folder), or NOVA's precomputed embeddings (--prompt-embeds, written by `python -m
+    models.nova_embed`), which must hold every prompt of `texts`."""
     if args.model == "harmon":
         harmon = adapter("harmon")
         if not args.tokenizer:
@@ -233,7 +243,7 @@ def text_encoder(args, model, texts):
         harmon.set_null_prompt_from_tokenizer(model, tokenizer)
         return lambda prompts, device: {k: v.to(device) for k, v in harmon.prompt_ids(tokenizer, prompts).items()}
     if not args.prompt_embeds:
-        raise ValueError("--prompt-embeds: --model nova needs the prompts' Phi-2 embeddings (python -m infra.prompts embed-nova)")
+        raise ValueError("--prompt-embeds: --model nova needs the prompts' Phi-2 embeddings (python -m models.nova_embed)")
     table = checkpoints.read_checkpoint(args.prompt_embeds, "--prompt-embeds")
     if not isinstance(table, dict) or not {"prompts", "embeds"} <= table.keys():
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: expected a dict with 'prompts' and 'embeds'")
@@ -242,6 +252,15 @@ def text_encoder(args, model, texts):
     if missing:
         raise ValueError(f"--prompt-embeds {args.prompt_embeds}: no embedding for {len(missing)} prompts, e.g. {missing[0]!r}")
     return lambda prompts, device: dict(prompt_embeds=table["embeds"][[index[p] for p in prompts]].to(device))
+
+
+def load_tuned(base, path, flag="--init"):
+    """The tuned policy of GRPO checkpoint `path` (its trained parameters, or LoRA adapters) over
+    the loaded `base`, whose frozen parts it shares; frozen, in eval mode."""
+    ckpt = checkpoints.read_checkpoint(path, flag)
+    tuned = lora.policy(base, ckpt["lora"]) if ckpt.get("lora") else policy_copy(base, ckpt["model"])
+    load_trained(tuned.requires_grad_(False), ckpt["model"], path, flag)
+    return tuned.eval()
 
 
 def trainable_names(args, model, train_head, guided):

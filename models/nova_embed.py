@@ -14,7 +14,7 @@ import transformers
 
 from infra.checkpoints import atomic_save, check_writable
 from infra.processes import Parser, cli
-from infra.prompts import prompt_text, read_prompt_file
+from models.prompts import prompt_text, read_prompt_file
 from models import nova
 
 

@@ -3,7 +3,8 @@
 Each is an open_clip model built with `open_clip.create_model(name, pretrained=None)` (never a
 download) and loaded strictly from a local file, plus the eval transform of the official scorer.
 They share one call signature with every reward (`rewards.Reward`) and are built by name through
-`rewards.build_reward`; the table of weight files and where they are published is in rewards.py.
+`rewards.build_reward`; the table of weight files and where they are published is in
+docs/real_models.md, "Rewards and their weight files".
 
 Accepted formats for every CLIP tower: a plain state dict (`.pt`/`.bin`), `{'state_dict': ...}`
 (the HPS files), `.safetensors`, an OpenAI TorchScript archive (`ViT-L-14.pt`), and Hugging Face

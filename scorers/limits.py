@@ -37,7 +37,6 @@ except ImportError:  # pragma: no cover
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from scorers import wire
 
 GRACE = 1.0       # seconds a closed connection may take to send its last answer before it is cut
 NOTE_EVERY = 10.0  # seconds between two log lines of one kind (a flood of peers: one line, counted)

@@ -10,7 +10,7 @@ import torch
 import demo
 import train
 from models import nova
-from models.stand_ins import WORDS, random_ldm_sd, save_tokenizer
+from benchmarks.stand_ins import WORDS, random_ldm_sd, save_tokenizer
 from tests import test_harmon, test_nova
 from tests.helpers import ADAPTER_PROMPTS as PROMPTS, grpo_flags
 from tests.test_clip_rewards import TINY, TINY_WIDE

@@ -2,6 +2,7 @@
 that is not a MAR; train.py's entry point run in the test's process with its output captured, and
 what a run writes read back; where the fixtures are."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +23,12 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # for train.p
 ADAPTER_PROMPTS = ["a red cube", "a blue ball", "the red ball"]  # in the words of the tiny Harmon's tokenizer
 
 
+def settings(method="mar-grpo", **changes):
+    """The GRPO settings train.py gives --method `method` (its defaults and the method's changes to
+    them), with `changes` on top."""
+    return dataclasses.replace(train.grpo_settings(train.parse_args(["--method", method])), **changes)
+
+
 def tiny_mar(**kw):
     """A MAR on 16×16 RGB pixels: 4×4 patches -> 16 tokens of 48 channels."""
     cfg = dict(img_size=16, vae_stride=1, patch_size=4, vae_embed_dim=3, encoder_embed_dim=32, encoder_depth=2,
@@ -39,12 +46,12 @@ def tiny_mar(**kw):
     return model.eval()
 
 
-def loss_and_grads(model, record, cond, adv, cfg, trajectories=None, uncertain=None):
+def loss_and_grads(model, record, cond, adv, cfg, trajectories=None):
     """L = −mean_i(P_i − β KL_i) over a record's trained steps, its value and the gradients it leaves."""
     model.zero_grad()
     total = 0.0
     for j in range(len(record.steps)):
-        loss, _, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, trajectories, uncertain)
+        loss, _, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, trajectories)
         (loss / len(record.steps)).backward()
         total += loss.item() / len(record.steps)
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import grpo
-import masks
 import mte
 import rollout
 import train
 from benchmarks.memory import saved_activation_bytes
 from infra import flags, lora
 from models import loading
-from tests.helpers import grpo_flags, metrics
+from tests.helpers import grpo_flags, metrics, settings
 from tests.test_distributed import _rank_env, free_port, tiny
 from tests.test_fsdp import LR, update
 
@@ -33,7 +32,7 @@ def checkpointed_blocks(model):
     return {name: m for name, m in model.named_modules() if re.fullmatch(pattern, name)}
 
 
-def gradients(model, ref, record, inputs, gcfg, traj, uncertain, checkpointing):
+def gradients(model, ref, record, inputs, gcfg, traj, checkpointing):
     """The gradients of L over the record's two trained AR steps, the blocks whose MLP ran again in the
     backward pass, and the bytes autograd saved in the forward passes."""
     model.grad_checkpointing = checkpointing
@@ -45,7 +44,7 @@ def gradients(model, ref, record, inputs, gcfg, traj, uncertain, checkpointing):
     for j in range(len(record.steps)):
         phase[0] = "forward"
         nbytes, (loss, _, _) = saved_activation_bytes(
-            lambda: grpo.ar_step_loss(model, ref, record, j, inputs, adv, gcfg, traj, uncertain), model.parameters())
+            lambda: grpo.ar_step_loss(model, ref, record, j, inputs, adv, gcfg, traj), model.parameters())
         saved += nbytes
         phase[0] = "backward"
         (loss / len(record.steps)).backward()
@@ -59,7 +58,7 @@ def gradients(model, ref, record, inputs, gcfg, traj, uncertain, checkpointing):
 def test_checkpointed_blocks_give_the_plain_gradients(kind, policy):
     base, inputs = tiny(kind)
     base.requires_grad_(False)
-    gcfg = grpo.GRPOSettings(**grpo.METHODS["grpo" if policy == "trained head" else "mar-grpo"])
+    gcfg = settings("grpo" if policy == "trained head" else "mar-grpo")
     if policy == "lora":
         model = lora.policy(base, lora.spec(base, 3), seed=0)
         with torch.no_grad():  # B = 0 at initialisation would leave A without a gradient
@@ -71,13 +70,12 @@ def test_checkpointed_blocks_give_the_plain_gradients(kind, policy):
     plan = rollout.RolloutPlan(ar_steps=[0, 1], diff_steps=list(base.diffloss.trainable_steps())[:2])
     g = torch.Generator().manual_seed(0)
     _, record = rollout.record_rollout(model, inputs, 3, 3.0, "constant", 1.0, plan, g)
-    traj = uncertain = None
+    traj = None
     if gcfg.mte_trajectories:  # MTE's head calls are recomputed per diffusion step too
         traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final, 1.0, 2,
                                        plan.diff_steps, g)
-        uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), gcfg.top_k)
-    plain, again_plain, saved_plain = gradients(model, base, record, inputs, gcfg, traj, uncertain, False)
-    ckpt, again, saved = gradients(model, base, record, inputs, gcfg, traj, uncertain, True)
+    plain, again_plain, saved_plain = gradients(model, base, record, inputs, gcfg, traj, False)
+    ckpt, again, saved = gradients(model, base, record, inputs, gcfg, traj, True)
     blocks = checkpointed_blocks(model)
     assert len(blocks) >= 4 and again_plain == set() and again == set(blocks)  # every block, recomputed
     assert saved < saved_plain
@@ -130,7 +128,7 @@ def test_a_sharded_checkpointed_update_of_harmon_is_the_unsharded_plain_one(tmp_
 
 
 def test_the_real_models_presets_checkpoint_and_a_flag_turns_it_off():
-    on = {p for p in flags.PRESETS if flags.parse_args(["--preset", p]).grad_checkpointing}
+    on = {p for p in flags.PRESETS if train.parse_args(["--preset", p]).grad_checkpointing}
     assert on == {"mar_base", "harmon", "nova", "nova_mix"}  # docs/memory.md: what each needs to fit
-    assert not flags.parse_args(["--preset", "harmon", "--no-grad-checkpointing"]).grad_checkpointing
-    assert flags.parse_args(["--grad-checkpointing"]).grad_checkpointing
+    assert not train.parse_args(["--preset", "harmon", "--no-grad-checkpointing"]).grad_checkpointing
+    assert train.parse_args(["--grad-checkpointing"]).grad_checkpointing

@@ -240,7 +240,8 @@ def test_nova_trains_on_the_released_records_with_hps_git_and_gdino(folders, hps
         parts = [r[f"reward/{name}"] for name in ("hpsv2", "git_vqa", "gdino")]
         assert all(math.isfinite(p) for p in parts) and r["reward_mean"] == pytest.approx(sum(parts), abs=1e-5)
         assert r["logp_parity_err"] < 1e-4 and r["skipped"] == 0
-    results = [json.loads(line) for line in (out / "eval" / "tuned" / "results.jsonl").read_text().splitlines()]
+    scores = out / "eval" / "tuned" / "tau1" / "train" / "scores.jsonl"
+    results = [json.loads(line) for line in scores.read_text().splitlines()]
     assert [r["prompt"] for r in results] == texts  # evaluation runs over the file's records
 
     # a metadata reward without the records is refused before any work, in one line

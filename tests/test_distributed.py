@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import diffloss
 import evaluate
 import grpo
-import masks
 import mte
 import rewards
 import rollout
@@ -31,6 +30,7 @@ from infra import processes
 from models import loading
 from tests import helpers, test_harmon, test_nova
 from tests.test_train_adapters import DDPM, FLOW, harmon_flags, nova_flags, save_nova_pipeline
+from tests.helpers import settings
 
 torch.set_num_threads(1)
 
@@ -59,14 +59,13 @@ def reached(model, ref, inputs, gcfg, w):
     plan = rollout.RolloutPlan(ar_steps=[0, 1], diff_steps=list(model.diffloss.trainable_steps())[:2])
     g = torch.Generator().manual_seed(0)
     tokens, record = rollout.record_rollout(model, inputs, 3, w, "constant", 1.0, plan, g)
-    seeds = uncertain = None
+    seeds = None
     if gcfg.mte_trajectories:
         seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final, 1.0,
                                         gcfg.mte_trajectories, plan.diff_steps, g)
-        uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), gcfg.top_k)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     for j in range(len(record.steps)):
-        grpo.ar_step_loss(model, ref, record, j, inputs, adv, gcfg, seeds, uncertain)[0].backward()
+        grpo.ar_step_loss(model, ref, record, j, inputs, adv, gcfg, seeds)[0].backward()
     return {name for name, p in model.named_parameters() if p.grad is not None}
 
 
@@ -76,7 +75,7 @@ def test_trainable_parameters_are_exactly_those_the_loss_reaches(kind):
         for w, train_cfg in ((3.0, "rollout"), (1.0, "rollout"), (3.0, "1")):
             base, inputs = tiny(kind)
             base.requires_grad_(False)
-            gcfg = grpo.GRPOSettings(**grpo.METHODS[method], train_cfg=train_cfg)
+            gcfg = settings(method, train_cfg=train_cfg)
             guided = w != 1.0 and train_cfg == "rollout"
             names = loading.trainable_names(SimpleNamespace(model=kind), base, gcfg.train_head, guided)
             model = loading.policy_copy(base, names)
@@ -195,26 +194,42 @@ def _eval_worker(rank, world, port, base, out_dir):
     _rank_env(rank, world, port)
     gathered_everywhere = dist.all_gather_object
 
-    def refuse(*a, **k):
-        raise AssertionError("evaluation must not gather the images onto every rank")
-    dist.all_gather_object = refuse
+    def no_images(obj_list, obj, *a, **k):  # the rows cross the processes, never an image
+        assert all(not any(torch.is_tensor(v) for v in row.values()) for row in obj)
+        return gathered_everywhere(obj_list, obj, *a, **k)
+    dist.all_gather_object = no_images
     try:
-        args = train.parse_args(["--preset", "smoke", "--init", base, "--out", out_dir, "--eval-images-per-prompt", "2"])
+        args = train.parse_args(["--preset", "smoke", "--init", base, "--out", out_dir, "--eval-images-per-prompt", "2",
+                                 "--eval-batch-size", "3"])
         ctx = processes.Ctx(args)
         model, codec, prompts = train.load_base(args, ctx, base)
         items = prompts.eval_items(4, args.seed)  # one prompt of each of the 4 categories
-        summary = evaluate.evaluate(args, ctx, model, codec, items, prompts, rewards.build_reward("shapes"),
-                                    os.path.join(out_dir, "eval"), "eval")
-        assert (summary["n"] == 8) if rank == 0 else summary == {}
+        rows = evaluate.generate_and_score(args, ctx, model, codec, prompts, items,
+                                           {"shapes": rewards.build_reward("shapes")}, os.path.join(out_dir, "eval"))
+        torch.save(rows, os.path.join(out_dir, f"rows{rank}.pt"))
     finally:
         dist.all_gather_object = gathered_everywhere
         dist.destroy_process_group()
 
 
-def test_evaluation_gathers_the_images_on_rank_0_only(smoke_base, tmp_path):
+def test_evaluation_writes_each_ranks_images_and_gathers_the_rows(smoke_base, tmp_path):
+    """8 images in batches of 3 on 2 ranks: each rank writes the PNGs of its batches (0 and 2 on rank
+    0, 1 on rank 1), every rank ends with all 8 rows, rank 0 writes scores.jsonl; the images are those
+    of one process."""
     torch.multiprocessing.spawn(_eval_worker, args=(2, free_port(), str(smoke_base), str(tmp_path)), nprocs=2, join=True)
-    rows = (tmp_path / "eval" / "results.jsonl").read_text().splitlines()
-    assert len(rows) == 8 and len(list((tmp_path / "eval" / "images").glob("*.png"))) == 8
+    lines = (tmp_path / "eval" / "scores.jsonl").read_text().splitlines()
+    rows = [torch.load(tmp_path / f"rows{r}.pt", weights_only=False) for r in (0, 1)]
+    assert len(lines) == 8 and rows[0] == rows[1] == [json.loads(line) for line in lines]
+    assert len(list((tmp_path / "eval" / "images").glob("*.png"))) == 8
+    args = train.parse_args(["--preset", "smoke", "--init", str(smoke_base), "--out", str(tmp_path / "one"),
+                             "--eval-images-per-prompt", "2", "--eval-batch-size", "3"])
+    ctx = processes.Ctx(args)
+    model, codec, prompts = train.load_base(args, ctx, str(smoke_base))
+    one = evaluate.generate_and_score(args, ctx, model, codec, prompts, prompts.eval_items(4, args.seed),
+                                      {"shapes": rewards.build_reward("shapes")}, str(tmp_path / "one"))
+    assert one == rows[0]
+    for r in one:
+        assert (tmp_path / "one" / r["file"]).read_bytes() == (tmp_path / "eval" / r["file"]).read_bytes()
 
 
 def test_logged_parity_error_is_the_maximum_over_steps_and_warns_once(smoke_base, tmp_path, monkeypatch, capsys):
@@ -336,17 +351,16 @@ def test_a_trained_ar_step_holds_one_head_graph_whatever_k_and_s():
     policy_model = loading.policy_copy(model, names)
     params = list(model.parameters())
     inputs = dict(prompt_ids=torch.tensor([[1, 2, 0], [1, 2, 0], [3, 4, 5], [3, 4, 5]]))
-    gcfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
+    gcfg = settings("mar-grpo")
     saved = {}
     for K in (1, 6):
         plan = rollout.RolloutPlan(ar_steps=[1], diff_steps=[8, 7, 6, 5, 3, 1][:K])
         _, record = rollout.record_rollout(policy_model, inputs, 4, 3.0, "linear", 1.0, plan, torch.Generator().manual_seed(0))
         seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final, 1.0, 3,
                                         plan.diff_steps, torch.Generator().manual_seed(1))
-        uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), gcfg.top_k)
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
         saved[K], (loss, _, _) = saved_activation_bytes(
-            lambda: grpo.ar_step_loss(policy_model, model, record, 0, inputs, adv, gcfg, seeds, uncertain), params)
+            lambda: grpo.ar_step_loss(policy_model, model, record, 0, inputs, adv, gcfg, seeds), params)
         loss.backward()
     step = record.steps[0]
     z = torch.randn(*step.unk_idx.shape, 32, requires_grad=True)  # tiny_mar: decoder width 32

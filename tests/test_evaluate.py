@@ -26,7 +26,7 @@ import evaluate
 import mar
 import rewards
 import train
-from demo import pretrain
+from demo import pretrain, shapes, verifier
 from infra import processes
 from models import loading, vae
 from scorers import clip as clip_rewards
@@ -161,7 +161,7 @@ def test_images_are_the_seeded_batches_and_differ_between_checkpoints(table_run,
         assert np.array_equal(read_png(out / "base" / n), read_png(out / "again" / n))
         assert not np.array_equal(read_png(out / "base" / n), read_png(out / "tuned" / n))
     # by hand: batch b = jobs [3b, 3b + 3) of (prompt, image), generator seeded by (seed, SEED_STAGE, b)
-    args = evaluate.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
+    args, _ = evaluate.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
     model = loading.load_policy(args, str(files / "base.pt"))
     prompts = loading.load_prompts(args, model)
     jobs = [(i, j) for i in range(2) for j in range(2)]
@@ -184,7 +184,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
     for s in read_scores(second / "b"):
         assert np.array_equal(read_png(second / "b" / s["file"]), read_png(out / "base" / s["file"]))
     # rank 1 of 2 generates batches 1, 3, ... with the same generators as one process does
-    args = evaluate.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
+    args, _ = evaluate.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
 
     class Rank1:
         rank, world, ddp, master, device = 1, 2, False, False, torch.device("cpu")
@@ -283,3 +283,104 @@ def test_bad_input_is_one_line_naming_the_flag(case, files, tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert all(w in lines[0] for w in words), lines[0]
     assert not (tmp_path / "out").exists() and stdout == ""  # nothing generated, nothing written
+
+
+# -----------------------------------------------------------------------------
+# Each model at its best τ, and how images fail
+
+def layout_images(kind):
+    """16-px images of 'a red square left of a blue circle' in the demo's 8-px cells (shapes.render):
+    right, mirrored (wrong relation), one object missing, a copy too many, an unrequested object."""
+    meta = shapes.parse_prompt("a red square left of a blue circle")
+    rng = np.random.default_rng(0)
+    if kind == "right":
+        return shapes.render(meta, 16, rng, cell=8), meta
+    if kind == "wrong relation":
+        return shapes.render({**meta, "relation": "right of"}, 16, rng, cell=8), meta
+    if kind == "missing object":
+        return shapes.render({**meta, "objects": meta["objects"][:1], "relation": None, "category": "single"}, 16,
+                             rng, cell=8), meta
+    if kind == "wrong count":
+        return shapes.render(meta, 16, rng, cell=8, unmentioned=[("red", "square")]), meta
+    return shapes.render(meta, 16, rng, cell=8, unmentioned=[("green", "triangle")]), meta  # extra object
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong relation", "missing object", "wrong count", "extra object"])
+def test_failure_modes_and_the_partial_reward_on_hand_made_images(kind):
+    """Every image is one failure mode; shapes_partial pays half for the requested objects drawn
+    exactly (a quarter each here), half for the whole image right, nothing for a copy."""
+    image, meta = layout_images(kind)
+    score, details = verifier.verify(image, meta)
+    assert verifier.failure(details) == {"right": "correct"}.get(kind, kind)
+    partial, _ = rewards.build_reward("shapes_partial")(torch.from_numpy(image).permute(2, 0, 1)[None], [meta["prompt"]])
+    want = {"right": 1.0, "wrong relation": 0.5, "missing object": 0.25, "wrong count": 0.25, "extra object": 0.5}[kind]
+    assert partial.item() == pytest.approx(want)
+    empty, _ = rewards.build_reward("shapes_partial")(torch.zeros(1, 3, 16, 16), [meta["prompt"]])
+    assert empty.item() == 0.0 < partial.item()  # a partly right image is paid more than an empty one
+
+
+def test_summary_counts_every_image_and_relation_given_both_beside_it():
+    """Five images, one of each mode: strict accuracy 1/5 of all images; relation right (both objects
+    drawn once, relation holds, extras allowed) 2/5; relation | both among the 4 with both objects."""
+    rows = []
+    for i, kind in enumerate(["right", "wrong relation", "missing object", "wrong count", "extra object"]):
+        image, meta = layout_images(kind)
+        _, details = verifier.verify(image, meta)
+        rows.append(dict(prompt_index=i, image_index=0, category="spatial", details=details, shapes=0.0))
+    s = evaluate.summarize(rows, ["shapes"])
+    assert s["n"] == 5 and s["accuracy"] == pytest.approx(0.2)
+    assert s["failures"] == {m: pytest.approx(0.2) for m in verifier.FAILURES}
+    # right and extra hold it; the copy's relation is read off the first of its equal instances, here not
+    assert s["both"] == 4 and s["relation_given_both"] == pytest.approx(2 / 4)
+    assert s["relation_right"] == pytest.approx(2 / 5)
+
+
+def fake_generate(peaks):
+    """evaluate.generate for models {id(model): τ*}: the prompt's right image (shapes.render) at τ*,
+    a blank canvas at any other τ, so a model's strict accuracy peaks at its τ*."""
+    def generate(model, codec, inputs, args, generator, temperature=None, cfg=None):
+        metas = shapes.detokenize(inputs["prompt_ids"].cpu().numpy())
+        rng = np.random.default_rng(0)
+        images = [shapes.render(shapes.parse_prompt(p), 16, rng, cell=8) if temperature == peaks[id(model)]
+                  else np.zeros((16, 16, 3), np.uint8) for p in metas]
+        return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255  # (B, 3, H, W)
+    return generate
+
+
+def test_each_model_is_scored_at_its_best_tau_and_the_gain_is_against_the_bases_best(tmp_path, monkeypatch, capsys):
+    """A base whose accuracy peaks at τ 0.2 and a tuned model peaking at τ 0.5: the sweep chooses each
+    one's τ on the training split, the gain is tuned at 0.5 minus base at 0.2 (zero here), not the
+    gain at τ 1 (zero too, both blank) nor at one shared τ; train.py's report says both."""
+    base, tuned = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    monkeypatch.setattr(evaluate, "generate", fake_generate({id(base): 0.2, id(tuned): 0.5}))
+    args = train.parse_args(["--preset", "smoke", "--out", str(tmp_path), "--eval-batch-size", "8"])
+    ctx = processes.Ctx(args)
+    prompts = loading.load_prompts(args, None)
+    splits = {"heldout": prompts.eval_items(8, 0, "heldout"), "train": prompts.eval_items(8, 0, "train")}
+    report = {tag: evaluate.sweep_splits(args, ctx, m, None, prompts, splits, {"shapes": rewards.build_reward("shapes")},
+                                         str(tmp_path / tag), [0.1, 0.2, 0.5, 1.0])
+              for tag, m in (("base", base), ("tuned", tuned))}
+    assert report["base"]["best"] == {"temperature": 0.2, "cfg": None}
+    assert report["tuned"]["best"] == {"temperature": 0.5, "cfg": None}
+    assert evaluate.cell(report["base"], "heldout")["accuracy"] == 1.0
+    assert evaluate.cell(report["tuned"], "heldout", {"temperature": 0.2, "cfg": None})["accuracy"] == 0.0
+    assert evaluate.gain_at_best(report["base"], report["tuned"], "heldout") == 0.0
+    capsys.readouterr()
+    evaluate.print_report(str(tmp_path), report, 1.0)
+    out = capsys.readouterr().out
+    assert "at its best, τ 0.2   100.0%" in out and "at its best, τ 0.5   100.0%" in out
+    assert "+0.0 points each at its best τ, +0.0 points at τ 1" in out
+    at = {"temperature": 0.5, "cfg": None}  # compared at the tuned model's τ alone, it would gain 100 points
+    assert evaluate.cell(report["tuned"], "heldout", at)["accuracy"] - evaluate.cell(report["base"], "heldout", at)["accuracy"] == 1
+
+
+def test_best_setting_breaks_ties_toward_less_sharpening_and_reads_the_choice_split_only():
+    cells = [dict(temperature=t, cfg=w, split=s, accuracy=a, n=10)
+             for t, w, s, a in [(0.1, None, "train", 0.5), (0.3, None, "train", 0.5), (1.0, None, "train", 0.2),
+                                (0.1, None, "heldout", 0.9), (0.3, None, "heldout", 0.1), (1.0, None, "heldout", 0.0)]]
+    sweep = dict(cells=cells, choose_on="train", key="accuracy")
+    assert evaluate.best_setting(sweep) == {"temperature": 0.3, "cfg": None}  # not held out's 0.1
+    guided = dict(sweep, cells=cells + [dict(temperature=0.3, cfg=3.0, split="train", accuracy=0.5, n=10)])
+    assert evaluate.best_setting(guided) == {"temperature": 0.3, "cfg": None}  # a tie: the lower guidance
+    with pytest.raises(ValueError, match="choice split 'valid'"):
+        evaluate.best_setting(dict(sweep, choose_on="valid"))

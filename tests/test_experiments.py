@@ -10,14 +10,16 @@ import pytest
 import torch
 
 import diffloss
+import evaluate
 import grpo
 import rewards
+from benchmarks import harmon_lora_step
 from demo import shapes, verifier
 from demo.pretrain import MAELoss
-from experiments import harmon_lora_step, lab, probes, raft, relation_study, spatial, study
+from experiments import lab, probes, raft, relation_study, spatial, study
 from models import harmon, loading, vae
 from tests import test_harmon
-from tests.helpers import make_rollout, tiny_mar
+from tests.helpers import make_rollout, settings, tiny_mar
 from train import MicroBatch
 
 torch.set_num_threads(1)
@@ -147,7 +149,7 @@ def test_spatial_group_signal_counts_groups_relations_and_best_of_n():
     assert r["groups_any_correct"] == 0.5 and r["groups_any_relation"] == 1.0 and r["groups_reward_varies"] == 0.5
     assert (r["both"], r["relation_given_both"]) == (4, 2) and r["relation_rate_given_both"] == 0.5
     assert r["pass_at"] == pytest.approx({1: 1 / 6, 2: (2 / 3) / 2, 3: 0.5})
-    assert spatial.pass_at(6, 0, 3) == 0 and spatial.pass_at(6, 4, 3) == 1 and spatial.pass_at(6, 1, 1) == pytest.approx(1 / 6)
+    assert evaluate.pass_at(6, 0, 3) == 0 and evaluate.pass_at(6, 4, 3) == 1 and evaluate.pass_at(6, 1, 1) == pytest.approx(1 / 6)
     assert r["reward_var_within"] == pytest.approx(np.var([1.0, 0.5, 0.2], ddof=1) / 2)
 
 
@@ -190,7 +192,7 @@ def test_train_ar_below_draws_the_trained_ar_steps_from_the_first_ones():
 
 
 def test_harmon_lora_step_writes_the_released_layout_and_measures_a_step(tmp_path, monkeypatch, capsys):
-    """experiments/harmon_lora_step.py end to end, with a tiny Harmon in place of the 1.5B config and a
+    """benchmarks/harmon_lora_step.py end to end, with a tiny Harmon in place of the 1.5B config and a
     tiny VAE in place of the KL-16: the files it writes load through train.py's flags, the LoRA step
     exits 0, and both peaks are read from the running process."""
     monkeypatch.setitem(harmon.CONFIGS, "harmon_1.5b", test_harmon.tiny_config())
@@ -286,93 +288,111 @@ def test_raft_trains_on_each_varying_groups_best_rollout_and_reports_grpos_stati
     assert raft.group_best(scores, 3).tolist() == [1, 8]
     model = tiny_mar()
     record, inputs = make_rollout(model)  # 2 prompts × G = 2
-    settings = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
+    gcfg = settings("grpo-fixed-head")
     batch = MicroBatch(inputs, record, None, None, torch.tensor([0.1, 0.9, 0.3, 0.3]), torch.tensor([-1.0, 1.0, 0.0, 0.0]),
-                       {}, None, None, [None] * len(record.steps), {})
+                       {}, None, [None] * len(record.steps), {})
     loss_module = raft.RAFTLoss(model, group_size=2)
     torch.manual_seed(3)
-    loss, stats, _ = loss_module(model, batch, 0, settings, None)
+    loss, stats, _ = loss_module(model, batch, 0, gcfg, None)
     torch.manual_seed(3)
     expected = MAELoss(model)(model.unpatchify(record.tokens[[1]]), labels=inputs["labels"][[1]])
     assert torch.equal(loss, expected) and stats["raft_images"] == 1 and stats["raft_loss"] == loss.detach()
-    _, grpo_stats, _ = grpo.ar_step_loss(model, model, record, 0, inputs, batch.adv, settings)
+    _, grpo_stats, _ = grpo.ar_step_loss(model, model, record, 0, inputs, batch.adv, gcfg)
     assert set(grpo_stats) <= set(stats) and all(torch.equal(grpo_stats[k], stats[k]) for k in grpo_stats)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     model.zero_grad()
     batch.scores = torch.tensor([0.3, 0.3, 0.5, 0.5])  # every group ties: nothing to learn from
-    loss, stats, _ = loss_module(model, batch, 0, settings, None)
+    loss, stats, _ = loss_module(model, batch, 0, gcfg, None)
     loss.backward()
     assert loss.item() == 0 and stats["raft_images"] == 0
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())
 
 
-def _relation_eval(folder, rates):
-    """eval_tau<τ>.json files as experiments.spatial --eval writes them: rates {τ: (train, held out)} of
-    relation | both, accuracy half of it, 100 images and 80 with both objects per split."""
+def _relation_sweep(folder, rates, cfgs=(None,)):
+    """sweep.json as experiments.spatial --sweep writes it: rates {τ: (train, held out)} of the strict
+    accuracy (relation right the same, relation | both 0.8 of the 100 images, 80 of them with both
+    objects), its best chosen on the training split; with cfgs, w 3 scores 0.1 more everywhere."""
     folder.mkdir(parents=True, exist_ok=True)
+    cells = []
     for t, (train_rate, held) in rates.items():
-        ev = {s: dict(relation_rate_given_both=r, both=80, accuracy=r / 2, images=100)
-              for s, r in (("train", train_rate), ("heldout", held))}
-        (folder / f"eval_tau{t}.json").write_text(json.dumps(ev))
+        for w in cfgs:
+            up = 0.1 if w == 3.0 else 0.0
+            for split, r in (("train", train_rate + up), ("heldout", held + up)):
+                fails = {"correct": r, "missing object": 1 - r, "wrong count": 0.0, "extra object": 0.0,
+                         "wrong relation": 0.0}
+                cells.append(dict(temperature=t, cfg=w, split=split, n=100, accuracy=r, relation_right=r, both=80,
+                                  relation_given_both=0.8, failures=fails))
+    sweep = dict(cells=cells, choose_on="train", key="accuracy")
+    sweep["best"] = evaluate.best_setting(sweep)
+    (folder / "sweep.json").write_text(json.dumps(sweep))
 
 
 def test_relation_study_runs_every_arm_and_seed_then_skips_what_is_done(tmp_path, monkeypatch):
-    """Every arm × seed trains from the relation preset on the training split's spatial prompts with the
-    strict relation reward (RAFT with its loss and learning rate), then is evaluated at every τ; the
-    base is evaluated once; finished runs and evaluations are not run again; a bad flag stops it before
+    """Every arm × seed trains from the preset on the training split's spatial prompts with the
+    study's reward (RAFT with its loss and learning rate), then is swept over τ; the base is swept
+    once, over guidance too; finished runs and sweeps are not run again; a bad flag stops it before
     any run starts."""
     jobs = []
     monkeypatch.setattr(relation_study, "run_jobs", lambda js, who: jobs.extend(js))
-    opts = SimpleNamespace(out=str(tmp_path / "rel"), seeds=2, steps=3, arms="")
+    opts = SimpleNamespace(out=str(tmp_path / "rel"), seeds=2, steps=3, arms="", preset="relation",
+                           reward="shapes_partial", base_cfgs="1,3")
     relation_study.run(opts, ["--group-size", "4"])
     assert [what for what, _, _ in jobs] == ["base"] + [f"{a} seed {s}" for a in relation_study.ARMS for s in (0, 1)]
     base_cmd = jobs[0][2]
-    assert base_cmd.count(" --eval ") == len(relation_study.TAUS) and lab.RELATION_BASE in base_cmd
+    assert base_cmd.count(" --sweep ") == 1 and lab.RELATION_BASE in base_cmd and "--eval-cfgs 1,3" in base_cmd
     for what, _, cmd in jobs[1:]:
-        assert "--preset relation" in cmd and "--reward shapes_relation" in cmd and "--group-size 4" in cmd
-        assert cmd.count(" --eval ") == len(relation_study.TAUS) and "train_spatial.txt" in cmd
+        assert "--preset relation" in cmd and "--reward shapes_partial" in cmd and "--group-size 4" in cmd
+        assert cmd.count(" --sweep ") == 1 and "train_spatial.txt" in cmd and "--eval-cfgs" not in cmd
         assert ("--loss raft" in cmd and f"--lr {relation_study.RAFT_LR}" in cmd) == what.startswith("raft")
     lines = (tmp_path / "rel" / "train_spatial.txt").read_text().splitlines()
     assert lines == [m["prompt"] for m in spatial.spatial_prompts("train")]
-    done = tmp_path / "rel" / "raft" / "seed1"  # a finished run: its last checkpoint and one evaluation
+    done = tmp_path / "rel" / "raft" / "seed1"  # a finished run, not yet swept
     (done / "ckpt").mkdir(parents=True)
     (done / "ckpt" / "step_000003.pt").write_bytes(b"")
-    _relation_eval(done, {"1": (0.5, 0.5)})
-    _relation_eval(tmp_path / "rel" / "base", {t: (0.5, 0.5) for t in relation_study.TAUS})
+    _relation_sweep(tmp_path / "rel" / "base", {1.0: (0.5, 0.5)})
     jobs.clear()
     relation_study.run(opts, [])
     raft_rest = [cmd for what, _, cmd in jobs if what == "raft seed 1"][0]
-    assert "experiments.lab" not in raft_rest and raft_rest.count(" --eval ") == len(relation_study.TAUS) - 1
+    assert "experiments.lab" not in raft_rest and raft_rest.count(" --sweep ") == 1
     assert "base" not in [what for what, _, _ in jobs] and len(jobs) == 2 * len(relation_study.ARMS)
+    _relation_sweep(done, {1.0: (0.5, 0.5)})
     jobs.clear()
+    relation_study.run(opts, [])
+    assert "raft seed 1" not in [what for what, _, _ in jobs]
     with pytest.raises(ValueError, match="^--group-size 0: "):
         relation_study.run(opts, ["--group-size", "0"])
-    assert not jobs
 
 
-def test_relation_study_report_picks_tau_on_the_training_split_and_tests_the_target(tmp_path):
-    """The report: each run's best τ is the one with the highest training-split accuracy; the gain is
-    held-out relation | both at τ 1 over the base's; the target needs ≥ 85% held out and ≥ 20 points of
-    gain in every seed; the gradient norm's mean and std/mean and the last 10 steps' KL come from metrics."""
+def test_relation_study_report_gains_at_each_ones_best_setting_and_tests_the_target(tmp_path):
+    """The report: each model's best τ is the one with the highest training-split strict accuracy;
+    the gain is held-out strict accuracy at the run's best τ over the base's at its best setting,
+    guidance included; the target needs ≥ 10 points in every seed; spreads are sample standard
+    deviations; the gradient norm's mean and std/mean and the last 10 steps' KL come from metrics."""
     root = tmp_path / "rel"
-    _relation_eval(root / "base", {"1": (0.55, 0.60), "0.6": (0.60, 0.62)})
-    runs = {("grpo", 0): {"1": (0.90, 0.86), "0.6": (0.95, 0.90)},
-            ("grpo", 1): {"1": (0.92, 0.88), "0.6": (0.90, 0.85)},
-            ("raft", 0): {"1": (0.99, 0.95), "0.6": (0.95, 0.90)},
-            ("raft", 1): {"1": (0.80, 0.70), "0.6": (0.95, 0.90)}}
+    _relation_sweep(root / "base", {1.0: (0.40, 0.30), 0.3: (0.45, 0.32)}, cfgs=(1.0, 3.0))  # best: τ 0.3, w 3
+    runs = {("grpo", 0): {1.0: (0.60, 0.50), 0.3: (0.70, 0.55)},
+            ("grpo", 1): {1.0: (0.72, 0.60), 0.3: (0.70, 0.65)},
+            ("raft", 0): {1.0: (0.99, 0.80), 0.3: (0.95, 0.90)},
+            ("raft", 1): {1.0: (0.50, 0.45), 0.3: (0.45, 0.50)}}
     for (arm, seed), rates in runs.items():
-        _relation_eval(root / arm / f"seed{seed}", rates)
+        _relation_sweep(root / arm / f"seed{seed}", rates)
         rows = [dict(step=i, grad_norm=float(1 + i % 2), kl=0.1 * i, reward_mean=0.5) for i in range(20)]
         (root / arm / f"seed{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = relation_study.report(SimpleNamespace(out=str(root), seeds=2), ["grpo", "raft", "mar-grpo"])
+    opts = SimpleNamespace(out=str(root), seeds=2)
+    res = relation_study.report(opts, ["grpo", "raft", "mar-grpo"])
+    assert res["base_best"]["setting"] == {"temperature": 0.3, "cfg": 3.0}
+    assert res["base_best"]["heldout"]["accuracy"] == pytest.approx(0.42)
+    assert res["base_best"]["unguided"]["setting"] == {"temperature": 0.3, "cfg": 1.0}
     grpo_runs = res["arms"]["grpo"]["runs"]
-    assert [r["best_tau"] for r in grpo_runs] == ["0.6", "1"]
-    assert grpo_runs[0]["gain"] == pytest.approx(0.26) and grpo_runs[1]["gain"] == pytest.approx(0.28)
+    assert [r["best"]["temperature"] for r in grpo_runs] == [0.3, 1.0]
+    assert grpo_runs[0]["gain"] == pytest.approx(0.55 - 0.42) and grpo_runs[1]["gain"] == pytest.approx(0.60 - 0.42)
+    assert grpo_runs[0]["heldout_tau1"]["accuracy"] == pytest.approx(0.50)
+    assert res["arms"]["grpo"]["heldout_best_std"] == pytest.approx(np.std([0.55, 0.60], ddof=1))
     assert grpo_runs[0]["grad_norm_mean"] == pytest.approx(1.5) and grpo_runs[0]["grad_norm_cv"] == pytest.approx(1 / 3)
     assert grpo_runs[0]["kl_last"] == pytest.approx(0.1 * np.mean(range(10, 20)))
-    assert res["arms"]["grpo"]["target_met"] and not res["arms"]["raft"]["target_met"]  # raft's seed 1: 70% held out
+    assert res["arms"]["grpo"]["target_met"] and not res["arms"]["raft"]["target_met"]  # raft's seed 1: +3 points
     assert "mar-grpo" not in res["arms"]  # no finished run
     md = (root / "relation.md").read_text()
-    assert "| grpo | 0 | 0.6 | 95.0% ± 2.4% / 90.0% ± 3.4% |" in md and "raft: relation | both held out" in md
-    assert (root / "relation.png").exists()
+    assert "| grpo | 0 | 0.3 | 50.0% ± 5.0% |" in md and "raft: held-out strict accuracy" in md
+    assert "(sample std)" in md and (root / "relation.png").exists()

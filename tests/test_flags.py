@@ -10,7 +10,6 @@ import mar
 import rollout
 import train
 from demo import pretrain, shapes
-from infra import flags
 from models import loading, vae
 
 torch.set_num_threads(1)
@@ -20,21 +19,24 @@ def test_split_all_draws_held_out_compositions_too():
     heldout = {m["prompt"] for m in shapes.all_prompts("heldout")}
     drawn = {}
     for split in ("train", "all"):
-        args = flags.parse_args(["--preset", "smoke", "--split", split])
+        args = train.parse_args(["--preset", "smoke", "--split", split])
         prompts = loading.load_prompts(args, None)
         drawn[split] = {m["prompt"] for step in range(20) for m in prompts.sample(16, 0, step)}
     assert not drawn["train"] & heldout and drawn["all"] & heldout
 
 
-def test_eval_temperature_is_the_temperature_of_evaluation_images(monkeypatch):
+def test_eval_temperatures_are_the_temperatures_of_evaluation_images(monkeypatch):
+    """generate samples at the run's τ and guidance unless told others; --eval-temperatures is the
+    evaluation's sweep (a comma-separated list of positive numbers)."""
     seen = []
     monkeypatch.setattr(rollout, "record_rollout", lambda model, inputs, num_iter, cfg, schedule, temperature, **k:
-                        seen.append(temperature) or (torch.zeros(1, 4, 12), None))
+                        seen.append((temperature, cfg)) or (torch.zeros(1, 4, 12), None))
     model = mar.build_mar(pretrain.small_mar_config(pretrain.parse_args(["--preset", "smoke", "--img-size", "4", "--patch-size", "2"])))
-    for extra, want in (([], 0.5), (["--eval-temperature", "0.3"], 0.3)):
-        args = flags.parse_args(["--preset", "smoke", *extra])
-        evaluate.generate(model, vae.PixelCodec(), {}, args, None)
-        assert seen[-1] == want and args.temperature == 0.5
+    args = train.parse_args(["--preset", "smoke", "--eval-temperatures", "0.3,0.7"])
+    assert args.eval_temperatures == [0.3, 0.7] and args.temperature == 0.5
+    evaluate.generate(model, vae.PixelCodec(), {}, args, None)
+    evaluate.generate(model, vae.PixelCodec(), {}, args, None, temperature=0.3, cfg=2.0)
+    assert seen == [(0.5, args.cfg), (0.3, 2.0)]
 
 
 def test_diffusion_batch_mul_repeats_the_pretraining_targets():
@@ -55,9 +57,9 @@ def test_weight_decay_reaches_the_grpo_optimizer(smoke_base, tmp_path, capsys):
 
 
 def test_consistency_threshold_reaches_the_settings():
-    assert flags.grpo_settings(flags.parse_args(["--consistency-threshold", "0.25"])).consistency_threshold == 0.25
-    assert flags.grpo_settings(flags.parse_args(["--consistency-threshold", "off"])).consistency_threshold is None
-    assert flags.grpo_settings(flags.parse_args(["--method", "grpo"])).consistency_threshold is None
+    assert train.grpo_settings(train.parse_args(["--consistency-threshold", "0.25"])).consistency_threshold == 0.25
+    assert train.grpo_settings(train.parse_args(["--consistency-threshold", "off"])).consistency_threshold is None
+    assert train.grpo_settings(train.parse_args(["--method", "grpo"])).consistency_threshold is None
 
 
 def test_wandb_without_the_package_is_a_one_line_error(smoke_base, tmp_path, capsys, monkeypatch):

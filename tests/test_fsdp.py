@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from infra import flags
-from infra import fsdp
 import grpo
-from models import loading
 import rollout
 import train
+from infra import fsdp
+from models import loading
 from tests.test_distributed import _rank_env, assert_same_training, free_port, run_train, tiny
+from tests.helpers import settings
 
 torch.set_num_threads(1)
 
@@ -36,10 +36,10 @@ def test_two_sharded_processes_train_and_resume_as_one_process(smoke_base, tmp_p
 @pytest.mark.parametrize("more, words", [(["--method", "grpo"], "a trained head is not sharded"),
                                          (["--lora", "4"], "use --lora without --fsdp")])
 def test_what_fsdp_does_not_shard_is_one_line(smoke_base, more, words):
-    args = flags.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp", *more])
+    args = train.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp", *more])
     with pytest.raises(ValueError, match=words):
-        flags.check_inputs(args, world=2)
-    flags.check_inputs(flags.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp"]), 2)
+        train.check_inputs(args, world=2)
+    train.check_inputs(train.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp"]), 2)
 
 
 # -----------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def update(kind, parts, world=None, checkpointing=False):
     trained parameters, whole; pre-clip gradient norm; model)."""
     base, inputs = tiny(kind)
     base.requires_grad_(False)
-    gcfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
+    gcfg = settings("mar-grpo")
     model = loading.make_policy(SimpleNamespace(model=kind, cfg=3.0), base, gcfg)
     model.grad_checkpointing = checkpointing
     if world:

@@ -5,6 +5,8 @@ sit at the top of files, and every relative link of the documents resolves."""
 
 import ast
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,7 @@ CONCEPT_IMPORTS = {"diffloss": set(), "masks": set(), "mte": {"diffloss"}, "mar"
                    "grpo": {"mte", "masks", "diffloss"}, "rollout": {"diffloss"}, "rewards": set()}
 # imports inside functions: optional or slow packages that only the runs using them should pay for
 LATE_IMPORTS = {"peft", "wandb", "transformers", "open_clip"}
-MAX_LINES, MAX_TRAIN_LINES = 400, 450
+MAX_LINES = 500  # lines a module holds at most (wrapped at 100 characters)
 
 
 def python_files():
@@ -53,10 +55,35 @@ def test_the_root_holds_the_reference():
     assert all((ROOT / f / "__init__.py").is_file() for f in FOLDERS - {"docs"})  # plain importable folders
 
 
-def test_modules_are_short():
-    long = {str(p.relative_to(ROOT)): n for p in python_files()
-            if (n := len(p.read_text().splitlines())) > (MAX_TRAIN_LINES if p.name == "train.py" else MAX_LINES)}
+def test_modules_are_short_and_root_files_wrap_at_100():
+    long = {str(p.relative_to(ROOT)): n for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+    wide = {f: [i + 1 for i, line in enumerate((ROOT / f).read_text().splitlines()) if len(line) > 100]
+            for f in ROOT_FILES if f.endswith(".py")}
+    assert not {f: lines for f, lines in wide.items() if lines}, wide
+
+
+# what `import train` may load of the project: the method files, the policy's loading, the run's
+# plumbing and the evaluation loop; nothing of scorers/ or experiments/ until a run names them
+TRAIN_IMPORT_FILES = 26
+
+
+def test_import_train_loads_what_a_run_needs_and_no_scorer():
+    code = ("import sys, os, train; root = os.getcwd(); print('\\n'.join(sorted(m.__file__[len(root) + 1:] "
+            "for m in list(sys.modules.values()) if (getattr(m, '__file__', None) or '').startswith(root))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = out.stdout.split()
+    assert not [f for f in files if f.startswith(("scorers/", "experiments/", "benchmarks/", "tests/"))], files
+    assert len(files) <= TRAIN_IMPORT_FILES, files
+
+
+def test_no_folder_imports_one_that_imports_it():
+    """Folders import the root and each other downward only (infra/ < demo/ < models/ < scorers/,
+    and the lab, benchmarks and tests above them all)."""
+    folders = {"infra", "demo", "models", "scorers"}
+    edges = {(name.split(".")[0], dep.split(".")[0]) for name, path in MODULES.items() if name.split(".")[0] in folders
+             for dep in project_imports(path) if dep.split(".")[0] in folders and dep.split(".")[0] != name.split(".")[0]}
+    assert not [(a, b) for a, b in edges if (b, a) in edges], sorted(edges)
 
 
 def test_concept_files_import_only_the_method_files_they_need():

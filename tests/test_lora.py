@@ -12,10 +12,10 @@ import evaluate
 import grpo
 import rollout
 import train
-from infra import flags, lora
+from infra import lora
 from infra.processes import cli as run
 from models import loading, merge_lora, vae
-from tests.helpers import cli, grpo_flags, load, metrics
+from tests.helpers import cli, grpo_flags, load, metrics, settings
 from tests.test_distributed import tiny
 from tests.test_wiring import lively_base
 
@@ -77,7 +77,7 @@ def test_an_update_moves_the_adapters_only_and_the_kl_to_the_base_is_0_then_posi
     model = lora.policy(base, lora.spec(base, 4), seed=0)
     adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
     start = {name: p.clone() for name, p in adapters.items()}
-    gcfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
+    gcfg = settings("mar-grpo")
     _, rec = record(model, inputs)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     opt = torch.optim.AdamW(adapters.values(), lr=1e-2)
@@ -132,7 +132,7 @@ def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, t
     (lora_run, base_path), merged = lora_run, tmp_path / "merged.pt"
     path = lora_run / "ckpt" / "latest.pt"
     assert merge_lora.main([str(path), str(merged)]) is None
-    args = flags.parse_args(["--preset", "smoke"])
+    args = train.parse_args(["--preset", "smoke"])
     ckpt = load(path)
     base = loading.load_policy(args, str(base_path))
     adapters = loading.load_policy(args, str(path))  # what --init and evaluate.py load from the adapters

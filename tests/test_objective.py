@@ -36,10 +36,10 @@ import torch
 
 import grpo
 import mar
-import masks
 import mte
 import rollout
 from demo import shapes
+from tests.helpers import settings
 
 torch.set_num_threads(1)
 
@@ -80,15 +80,14 @@ def record_rollout(model, condition, ar_steps, diff_steps, num_iter, cfg, temper
 
 
 def draw_mte(model, record, num_trajectories, top_k, temperature, generator):
-    """S fresh head trajectories from z_final and the code's uncertainty mask (float32).
+    """S fresh head trajectories from z_final (float32); the loss builds M_unc from them.
 
     returns (mte_in: what the code's loss takes,
              view: dict x_t / x_prev / std (S, K, B, L, C) at every position, x0 (S, B, L, C))
     """
     traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
                                     temperature, num_trajectories, record.steps[0].diff_steps, generator)
-    uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), top_k)  # as train.grpo_train
-    return (traj, uncertain), {key: traj[key] for key in ("x_t", "x_prev", "std", "x0")}
+    return traj, {key: traj[key] for key in ("x_t", "x_prev", "std", "x0")}
 
 
 def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old=None):
@@ -98,8 +97,7 @@ def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old=None):
     (or None); old: the second return value of this step's first-epoch call (None in it).
     returns (loss scalar with gradient, old)
     """
-    traj, uncertain = mte_in if mte_in is not None else (None, None)
-    loss, _, new_old = grpo.ar_step_loss(model, ref, record, j, condition, adv, gcfg, traj, uncertain, old)
+    loss, _, new_old = grpo.ar_step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old)
     return loss, new_old
 
 
@@ -233,8 +231,8 @@ def perturb(model, scale, generator, names=lambda n: True):
 
 
 def gcfg(kl="gaussian", kappa=KAPPA, **kw):
-    return grpo.GRPOSettings(beta=BETA, kl=kl, mte_trajectories=S, top_k=TOP_K, mte_positions="unknown", consistency_threshold=kappa,
-                           train_cfg="rollout", **kw).validate()
+    return settings(beta=BETA, kl=kl, mte_trajectories=S, top_k=TOP_K, mte_positions="unknown",
+                    consistency_threshold=kappa, train_cfg="rollout", **kw).validate()
 
 
 def build_case():

@@ -17,7 +17,7 @@ import grpo
 import train
 from diffloss import transition_logprob
 from infra import processes
-from tests.helpers import ROOT, loss_and_grads, make_rollout, tiny_mar
+from tests.helpers import ROOT, loss_and_grads, make_rollout, settings, tiny_mar
 
 torch.set_num_threads(1)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -36,8 +36,8 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     out = tmp_path / "run"
     res = run_train("--preset", "smoke", "--out", str(out), "--threads", "1")
     for name in ["config.json", "metrics.jsonl", "curves.png", "ckpt/latest.pt",
-                 "eval/base/results.jsonl", "eval/tuned/results.jsonl", "eval/tuned_train/results.jsonl",
-                 "eval/summary.json"]:
+                 "eval/base/tau0.5/heldout/scores.jsonl", "eval/tuned/tau1/heldout/scores.jsonl",
+                 "eval/tuned/tau1/train/scores.jsonl", "eval/summary.json"]:
         assert (out / name).exists(), name
     assert list((out / "samples").glob("step_*.png"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -46,11 +46,13 @@ def test_smoke_pipeline_end_to_end(tmp_path):
                 "uncertain_frac", "t_rollout", "t_reward", "t_update", "logp_parity_err", "diversity", "reward/shapes"]:
         assert key in rows[0] and math.isfinite(rows[0][key]), key
     assert max(r["logp_parity_err"] for r in rows) < 1e-4
-    line = json.loads((out / "eval/tuned/results.jsonl").read_text().splitlines()[0])
-    assert {"prompt", "file", "reward", "details"} <= line.keys() and (out / "eval/tuned" / line["file"]).exists()
-    assert "held-out prompts" in res.stdout and "training-split prompts" in res.stdout and "accuracy" in res.stdout
+    line = json.loads((out / "eval/tuned/tau1/heldout/scores.jsonl").read_text().splitlines()[0])
+    assert {"prompt", "file", "shapes", "details"} <= line.keys() and (out / "eval/tuned/tau1/heldout" / line["file"]).exists()
+    assert "held-out prompts" in res.stdout and "training-split prompts" in res.stdout and "its best" in res.stdout
     summary = json.loads((out / "eval/summary.json").read_text())
-    assert set(summary) == {"base", "tuned", "base_train", "tuned_train"} and summary["base"]["n"] == 4
+    assert set(summary) == {"base", "tuned"} and summary["base"]["choose_on"] == "train"
+    cells = {(c["temperature"], c["split"]): c["n"] for c in summary["base"]["cells"]}
+    assert cells == {(t, s): 4 for t in (0.5, 1.0) for s in ("heldout", "train")}
     ckpt = torch.load(out / "ckpt/latest.pt", weights_only=True)  # plain dicts only
     assert ckpt["step"] == 3 and isinstance(ckpt["config"], dict)
 
@@ -118,7 +120,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
     model, records = _ddp_setup()
     record, cond, adv = records[rank]
     module = torch.nn.parallel.DistributedDataParallel(train.PolicyLoss(model))
-    cfg = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
+    cfg = settings("grpo-fixed-head")
     train.backward_batch(module, copy.deepcopy(model), micro_batch(record, cond, adv), cfg, contextlib.nullcontext)
     torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, f"{out_dir}/grad{rank}.pt")
     dist.destroy_process_group()
@@ -126,7 +128,7 @@ def _ddp_worker(rank, world, init_file, out_dir):
 
 def micro_batch(record, cond, adv):
     """train.py's MicroBatch of a recorded rollout, without MTE."""
-    return train.MicroBatch(cond, record, None, [], None, adv, {}, None, None, [None] * len(record.steps), {})
+    return train.MicroBatch(cond, record, None, [], None, adv, {}, None, [None] * len(record.steps), {})
 
 
 def _ddp_setup():
@@ -144,7 +146,7 @@ def _ddp_setup():
 def test_ddp_gradient_equals_single_process(tmp_path):
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     model, records = _ddp_setup()
-    cfg = grpo.GRPOSettings(**grpo.METHODS["grpo-fixed-head"])
+    cfg = settings("grpo-fixed-head")
     loss_module = train.PolicyLoss(model)
     for record, cond, adv in records:  # single process: both halves, accumulated
         train.backward_batch(loss_module, copy.deepcopy(model), micro_batch(record, cond, adv), cfg, contextlib.nullcontext)
@@ -166,7 +168,7 @@ def test_clip_denoised_bounds_x0_and_keeps_parity():
     assert x0_free.abs().max() > 1.0
     record, cond = make_rollout(model)
     loss, stats, _ = grpo.ar_step_loss(model, model, record, 1, cond, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                         grpo.GRPOSettings())
+                                         settings("mar-grpo", mte_trajectories=0))
     assert stats["logp_parity_err"] < 1e-4 and torch.isfinite(loss)
 
 
@@ -177,7 +179,7 @@ def test_gradient_step_moves_logp_toward_positive_advantages():
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model, cfg=2.0)
     adv = torch.tensor([1.5, -1.5, 0.5, -0.5])
-    cfg = grpo.GRPOSettings(beta=0.0, consistency_threshold=None)
+    cfg = settings("grpo-fixed-head", beta=0.0)
 
     def weighted_logp():
         with torch.no_grad():

@@ -17,7 +17,7 @@ import rollout
 import train
 from benchmarks import gpu_check, tiny_files
 from demo import pretrain
-from infra import flags, processes
+from infra import processes
 from infra.processes import Ctx, cli
 from models import nova_heads
 from tests.test_distributed import tiny
@@ -47,13 +47,13 @@ MISMATCH_FLOOR = 1e-3  # the parity test's: under the smallest mismatch it measu
 # The flag and the process's precision
 
 def test_the_default_is_fp32_on_the_cpu_and_the_flag_sets_bf16_autocast():
-    args = flags.parse_args(["--device", "cpu"])
+    args = train.parse_args(["--device", "cpu"])
     assert args.precision is None  # the device decides
     ctx = Ctx(args)
     assert ctx.precision == vars(args)["precision"] == "fp32"  # what config.json records
     with ctx.autocast():
         assert not torch.is_autocast_enabled("cpu")
-    ctx = Ctx(flags.parse_args(["--device", "cpu", "--precision", "bf16"]))
+    ctx = Ctx(train.parse_args(["--device", "cpu", "--precision", "bf16"]))
     assert ctx.precision == "bf16"
     with ctx.autocast():
         assert torch.is_autocast_enabled("cpu")
@@ -72,10 +72,10 @@ def fake_cuda(monkeypatch):
 
 
 def test_on_cuda_the_default_is_bf16_with_tf32_and_fp32_turns_both_off(fake_cuda):
-    ctx = Ctx(flags.parse_args([]))
+    ctx = Ctx(train.parse_args([]))
     assert ctx.device == torch.device("cuda", 0) and ctx.precision == "bf16"
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    ctx = Ctx(flags.parse_args(["--precision", "fp32"]))
+    ctx = Ctx(train.parse_args(["--precision", "fp32"]))
     assert ctx.precision == "fp32" and ctx.autocast is contextlib.nullcontext
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
@@ -173,7 +173,7 @@ def test_gpu_check_parity_runs_in_both_precisions_and_sees_a_mismatch(kind):
     precision agree within the bound, in bf16 as in fp32; an fp32 rollout recomputed in bf16 does
     not (so both sides did compute in the precision named)."""
     base, inputs = tiny(kind)
-    args = flags.parse_args(["--preset", "adapter_smoke", "--model", kind, "--cfg", "3",
+    args = train.parse_args(["--preset", "adapter_smoke", "--model", kind, "--cfg", "3",
                              "--train-diff-steps", "3"])
     err = gpu_check.parity(args, base.requires_grad_(False), inputs, torch.device("cpu"))
     assert set(err) == {("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16")}

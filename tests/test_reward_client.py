@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import evaluate
 import rewards

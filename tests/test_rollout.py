@@ -5,10 +5,9 @@ import copy
 import torch
 
 import grpo
-import masks
 import mte
 import rollout
-from tests.helpers import ToyPolicy, make_rollout, tiny_mar
+from tests.helpers import ToyPolicy, make_rollout, settings, tiny_mar
 
 torch.set_num_threads(1)
 
@@ -62,12 +61,11 @@ def test_recorder_and_loss_drive_a_model_that_is_not_a_mar():
     assert tokens.shape == (4, 12, 6) and [s.i for s in record.steps] == [1, 3]
     seeds = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null, record.cfg_final, 0.9, 3,
                                     plan.diff_steps, torch.Generator().manual_seed(1))
-    uncertain = masks.top_k_mask(masks.token_uncertainty(seeds["x0"]), 0.3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    cfg = grpo.GRPOSettings(**grpo.METHODS["mar-grpo"])
+    cfg = settings("mar-grpo")
     for j in range(2):
         model.zero_grad()
-        loss, stats, _ = grpo.ar_step_loss(model, ref, record, j, inputs, adv, cfg, seeds, uncertain)
+        loss, stats, _ = grpo.ar_step_loss(model, ref, record, j, inputs, adv, cfg, seeds)
         loss.backward()
         assert stats["logp_parity_err"] < 1e-5 and stats["kl"] > 0 and torch.isfinite(loss)
         assert model.mix.weight.grad.abs().sum() > 0 and model.diffloss.net.input_proj.weight.grad is None

@@ -60,10 +60,11 @@ def check_run(out, code, err):
     assert final.is_file()
     report = json.loads((out / "eval" / "summary.json").read_text())
     assert set(report) == {"base", "tuned"}
-    for tag in ("base", "tuned"):
-        results = (out / "eval" / tag / "results.jsonl").read_text().splitlines()
-        assert len(results) == len(ADAPTER_PROMPTS) and (out / "eval" / tag / "summary.json").is_file()
-        assert all(math.isfinite(json.loads(line)["reward"]) for line in results)
+    for tag in ("base", "tuned"):  # the file's prompts, at the run's τ alone (the preset's sweep)
+        assert report[tag]["best"] == {"temperature": 1.0, "cfg": None}
+        results = (out / "eval" / tag / "tau1" / "train" / "scores.jsonl").read_text().splitlines()
+        assert len(results) == len(ADAPTER_PROMPTS)
+        assert all(math.isfinite(json.loads(line)["jpeg_incompressibility"]) for line in results)
     return final
 
 

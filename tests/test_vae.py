@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
-from models.stand_ins import ldm_vae_shapes, random_ldm_sd
+from benchmarks.stand_ins import ldm_vae_shapes, random_ldm_sd
 from models.vae import (_ATTN_PROJ_WEIGHT, VAE_SCALE, _count_indices, _diffusers_key_to_ldm, ldm_vae_to_diffusers,
                  load_vae, vae_config_from_ldm, vae_decode, vae_encode)
 

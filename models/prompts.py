@@ -16,36 +16,38 @@ from torchvision.models._meta import _IMAGENET_CATEGORIES
 
 from demo import shapes
 from infra import prompt_records
+from infra.processes import SEED_STAGES
 
 
-def read_prompt_file(path, kind, num_classes=0):
+def read_prompt_file(path, kind, num_classes=0, flag="--prompts"):
     """Prompt lines of a file: kind "shapes" (parsed), "class" (an index, then anything), "text"
-    (a line, or for a .jsonl / .json file a released metadata record, prompt_records.py)."""
+    (a line, or for a .jsonl / .json file a released metadata record, prompt_records.py); errors
+    name `flag`."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--prompts: no such file: {path}")
+        raise FileNotFoundError(f"{flag}: no such file: {path}")
     if prompt_records.is_record_file(path):
         if kind != "text":
-            raise ValueError(f"--prompts {path}: the released prompt metadata (.jsonl) is for text-conditioned models "
+            raise ValueError(f"{flag} {path}: the released prompt metadata (.jsonl) is for text-conditioned models "
                              "(--model harmon or nova)")
         return prompt_records.read_records(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(i + 1, line.strip()) for i, line in enumerate(f) if line.strip()]
     except UnicodeDecodeError:
-        raise ValueError(f"--prompts {path}: not a UTF-8 text file") from None
+        raise ValueError(f"{flag} {path}: not a UTF-8 text file") from None
     if not lines:
-        raise ValueError(f"--prompts {path}: the file has no prompts")
+        raise ValueError(f"{flag} {path}: the file has no prompts")
     items = []
     for no, line in lines:
         if kind == "shapes":
             try:
                 items.append(shapes.parse_prompt(line))
             except ValueError as e:
-                raise ValueError(f"--prompts {path}:{no}: {e}") from None
+                raise ValueError(f"{flag} {path}:{no}: {e}") from None
         elif kind == "class":
             head = line.split()[0]
             if not head.isdigit() or not 0 <= int(head) < num_classes:
-                raise ValueError(f"--prompts {path}:{no}: expected a class index in 0 … {num_classes - 1}, got {line!r}")
+                raise ValueError(f"{flag} {path}:{no}: expected a class index in 0 … {num_classes - 1}, got {line!r}")
             items.append(int(head))
         else:
             items.append(line)
@@ -63,12 +65,13 @@ class Prompts:
     kind: "shapes" (prompt ids of the shapes vocabulary), "class" (ImageNet labels), or "text"
     (`encode(list of str, device) -> inputs dict`, given by the model's adapter: Harmon's
     tokenizer, NOVA's precomputed prompt embeddings); items: the prompt list (None: the shapes
-    grammar's split `split`, sampled fresh; for "text", strings or prompt_records dicts);
-    num_classes: for "class".
+    grammar's split `split`, of the prompt `categories`, sampled fresh; for "text", strings or
+    prompt_records dicts); num_classes: for "class".
     """
 
-    def __init__(self, kind, items=None, split="train", num_classes=0, encode=None):
+    def __init__(self, kind, items=None, split="train", num_classes=0, encode=None, categories=shapes.CATEGORIES):
         self.kind, self.items, self.split, self.encode = kind, items, split, encode
+        self.categories = tuple(categories)
         if kind == "class" and items is None:
             self.items = list(range(num_classes))
         if kind == "text" and (items is None or encode is None):
@@ -80,9 +83,9 @@ class Prompts:
 
     def sample(self, n, seed, step):
         """n prompts for one step, identical on every rank (one seeded draw, then sliced)."""
-        rng = np.random.default_rng([seed, 7, step])
+        rng = np.random.default_rng([seed, SEED_STAGES["prompts"], step])
         if self.items is None:
-            return shapes.sample_prompts(n, rng, split=self.split)
+            return shapes.sample_prompts(n, rng, split=self.split, categories=self.categories)
         return [self.items[i] for i in rng.integers(0, len(self.items), n)]
 
     def condition(self, items, device):
@@ -115,10 +118,10 @@ class Prompts:
         repeat)."""
         if not self.is_shapes or self.items is not None:
             return self.items
-        rng = np.random.default_rng([seed, 8, shapes.SPLITS.index(split)])
-        per_cat = -(-n // len(shapes.CATEGORIES))  # ceil
+        rng = np.random.default_rng([seed, SEED_STAGES["eval_prompts"], shapes.SPLITS.index(split)])
+        per_cat = -(-n // len(self.categories))  # ceil
         items = []
-        for cat in shapes.CATEGORIES:
+        for cat in self.categories:
             pool = [m for m in shapes.all_prompts(split) if m["category"] == cat]
             order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-per_cat // len(pool)))])
             items += [pool[i] for i in order[:per_cat]]

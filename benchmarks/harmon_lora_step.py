@@ -1,7 +1,7 @@
 """A Harmon-1.5B-sized GRPO step with `--lora`, on a CPU machine, with its peak memory (docs/memory.md).
 
-    python -m experiments.harmon_lora_step --work /tmp/harmon15            # --lora 32, the measured run
-    python -m experiments.harmon_lora_step --work /tmp/harmon15 --lora 0   # without LoRA (~32 GiB, modelled)
+    python -m benchmarks.harmon_lora_step --work /tmp/harmon15            # --lora 32, the measured run
+    python -m benchmarks.harmon_lora_step --work /tmp/harmon15 --lora 0   # without LoRA (~32 GiB, modelled)
 
 The released Harmon-1.5B architecture (harmon.CONFIGS["harmon_1.5b"]: Qwen2.5-1.5B + MAR-H, 2.49B
 parameters) with random weights, written to --work as the released files are laid out: a plain
@@ -31,7 +31,7 @@ import torch
 
 from benchmarks import memory
 from models import harmon
-from models.stand_ins import KL16, random_ldm_sd, save_tokenizer
+from benchmarks.stand_ins import KL16, random_ldm_sd, save_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle", "two blue squares", "a green triangle left of a red circle"]
