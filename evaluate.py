@@ -29,13 +29,13 @@ checkpoints; columns: rewards as the papers print them, "mean ± SEM"). With --s
 each checkpoint at --temperature and at its best τ (chosen on --choose-prompts), with the gain over
 the first at its own best; DIR/sweep.md holds every cell. The sampling, model, processes,
 evaluation and reward-service flags are train.py's (infra/flags.py). With --compbench (and the
-released records as --prompts) the columns are T2I-CompBench's categories (scorers/compbench.py).
+released prompt records of AMAP-ML/mar-grpo@fcb7969 as --prompts: infra/prompt_records.py) the
+columns are T2I-CompBench's categories (scorers/compbench.py).
 
-Where the table departs from what the papers state:
-1. Seeds are per batch (above).
-2. The SEM is over images (n = prompts × images per prompt), std(ddof=1) / sqrt(n); images of one
+Where the table departs from what the papers state (besides seeds per batch, above):
+1. The SEM is over images (n = prompts × images per prompt), std(ddof=1) / sqrt(n); images of one
    prompt are not independent, so it understates the spread over prompt sets.
-3. Under torchrun each rank writes its own PNGs (DIR must be one shared folder, as in DiT's
+2. Under torchrun each rank writes its own PNGs (DIR must be one shared folder, as in DiT's
    sample_ddp.py); the scores are gathered and rank 0 writes the rest.
 """
 

@@ -50,17 +50,18 @@ from infra.run_folder import RunFolder
 from models import loading
 
 # -----------------------------------------------------------------------------
-# The paper's settings (docs/method.md §6-§8): a value is the default written here, replaced by
-# the --preset's (infra/flags.PRESETS: the released runs, the demo), then by the --method's
-# variant (grpo.METHODS), then by a flag given. How a rollout samples (N, T, guidance w and its
-# schedule, τ) is infra/flags.sampling_flags, which evaluate.py shares.
+# The paper's settings (docs/method.md §6-§8: L = −mean_i (P_i − β KL_i), its variants, the
+# released values): a value is the default written here, replaced by the --preset's
+# (infra/flags.PRESETS: the released runs, the demo), then by the --method's variant
+# (grpo.METHODS), then by a flag given. How a rollout samples (N, T, guidance w and its schedule,
+# τ) is infra/flags.sampling_flags, which evaluate.py shares.
 
 
 def paper_flags(p):
     a = p.add_argument
     a("--method", default="mar-grpo", choices=list(grpo.METHODS),
-      help="the paper's variant (docs/method.md §7): grpo and grpo-fixed-head turn MTE and the "
-           "consistency mask off, grpo trains the head")
+      help="the paper's variant (docs/method.md §7, the table of variants): grpo and "
+           "grpo-fixed-head turn MTE and the consistency mask off, grpo trains the head")
     # the objective of a trained AR step i, −(P_i − β KL_i) (docs/method.md §4-§6)
     a("--beta", type=NONNEG_FLOAT, default=0.01, help="KL weight β")
     a("--kl", default="gaussian", choices=grpo.KL_KINDS, help="the KL term (grpo.py)")

@@ -254,7 +254,8 @@ def run_summary(run, block=20):
     """A GRPO run's figures from its metrics.jsonl: the training reward in blocks of `block` steps (and,
     trained on the proxy `shapes_coverage`, the verifier score logged beside it), the gradient norm's
     mean and std/mean over steps, the KL to the base over the last 10 steps, and train.py's own
-    evaluation of the tuned model (eval/summary.json: accuracy held out, training split) if it ran."""
+    evaluation of the tuned model if it ran (eval/summary.json: at its best τ, accuracy held out and
+    on the training split)."""
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     blocks = lambda key: [float(np.mean([r[key] for r in rows[i:i + block]])) for i in range(0, len(rows), block)]  # noqa: E731
     grad = np.array([r["grad_norm"] for r in rows])
@@ -266,7 +267,9 @@ def run_summary(run, block=20):
     if os.path.exists(os.path.join(run, "eval", "summary.json")):
         with open(os.path.join(run, "eval", "summary.json")) as f:
             ev = json.load(f)
-        res["accuracy"] = {split: ev[split]["accuracy"] for split in ("tuned", "tuned_train")}
+        tuned = ev["tuned"]  # its sweep (evaluate.temperature_sweep): the tuned model at its best τ
+        res["accuracy"] = {"best_tau": tuned["best"]["temperature"],
+                           **{split: evaluate.cell(tuned, split)["accuracy"] for split in ("heldout", "train")}}
     return res
 
 
@@ -335,7 +338,9 @@ def main(argv=None):
             parts += [f"gradient norm mean {r['grad_norm_mean']:.4f}, std/mean {r['grad_norm_cv']:.2f}",
                       f"KL (last 10 steps) {r['kl_last']:.2e}", f"{r['step_s']:.1f} s/step"]
             if "accuracy" in r:
-                parts.append(f"accuracy held out {r['accuracy']['tuned']:.3f}, training split {r['accuracy']['tuned_train']:.3f}")
+                acc = r["accuracy"]
+                parts.append(f"at its best τ {acc['best_tau']:g}: accuracy held out {acc['heldout']:.3f}, "
+                             f"training split {acc['train']:.3f}")
             print(f"{run}: " + "; ".join(parts))
         if opts.plot:
             plot_runs(opts.report, opts.plot)

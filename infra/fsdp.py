@@ -24,7 +24,7 @@ What is sharded, and why:
 6. Checkpoints hold whole tensors, as without --fsdp: `whole_state` gathers them (every rank
    calls it, rank 0 keeps them, one tensor at a time), `load_state` shards them again, so a run
    resumes with or without --fsdp.
-Not sharded: a trained head (--train-head yes; its calls run outside the registered methods)
+Not sharded: a trained head (--train-head; its calls run outside the registered methods)
 and LoRA adapters (benchmarks/bench.py --memory counts them: a small fraction of the model, and the frozen
 weights they sit on stay whole anyway); flags.check_inputs refuses both with --fsdp.
 """

@@ -213,13 +213,15 @@ def test_spatial_report_reads_blocks_verifier_gradient_kl_and_evaluation(tmp_pat
                  t_update=2.5, **{"reward/shapes_coverage": float(i), "reward/shapes": 10.0 - i}) for i in range(12)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval").mkdir()
-    (tmp_path / "eval" / "summary.json").write_text(json.dumps(dict(tuned=dict(accuracy=0.25), tuned_train=dict(accuracy=0.5),
-                                                                     base=dict(accuracy=0.125))))
+    cells = [dict(temperature=t, cfg=None, split=s, accuracy=a, n=8)
+             for t, s, a in [(1.0, "train", 0.4), (0.3, "train", 0.5), (1.0, "heldout", 0.3), (0.3, "heldout", 0.25)]]
+    sweep = dict(cells=cells, choose_on="train", key="accuracy", best=dict(temperature=0.3, cfg=None))
+    (tmp_path / "eval" / "summary.json").write_text(json.dumps(dict(tuned=sweep, base=sweep)))
     r = spatial.run_summary(str(tmp_path), block=5)
     assert r["steps"] == 12 and r["reward_blocks"] == [2.0, 7.0, 10.5] and r["verifier_blocks"] == [8.0, 3.0, -0.5]
     assert r["grad_norm_mean"] == 2.0 and r["grad_norm_cv"] == pytest.approx(0.5)   # std 1 over mean 2
     assert r["kl_last"] == pytest.approx(0.1 * np.mean(range(2, 12))) and r["step_s"] == 4.0
-    assert r["accuracy"] == dict(tuned=0.25, tuned_train=0.5)
+    assert r["accuracy"] == dict(best_tau=0.3, heldout=0.25, train=0.5)
 
 
 def _fake_completion(place):
