@@ -140,12 +140,13 @@ def report(opts, arms=None):
     sweeps_md = [cols, "|" + "---|" * 8]
     runs_md = ["| arm | seed | best τ | held out at τ 1: strict accuracy | relation right | relation \\| both "
                "(n both) | failures | held out at its best τ: strict accuracy | relation right | relation \\| "
-               "both (n both) | failures | gain over the base at its best | gradient norm mean, std/mean | "
-               "KL, last 10 steps |", "|" + "---|" * 15]
-    base_best = None
+               "both (n both) | failures | gain over the base at its best (unguided) | gradient norm mean, "
+               "std/mean | KL, last 10 steps |", "|" + "---|" * 15]
+    base_best = base_unguided = None
     if base:
         sweeps_md += sweep_table("base", base)
         base_best = figures(base, "heldout")["accuracy"]  # the base at its best τ and guidance
+        base_unguided = figures(at_w1(base), "heldout")["accuracy"]  # ... as the tuned runs sample
         res["base_best"] = dict(setting=base["best"], heldout=figures(base, "heldout"),
                                 unguided=dict(setting=at_w1(base)["best"], heldout=figures(at_w1(base), "heldout")))
     curves = {}
@@ -162,11 +163,12 @@ def report(opts, arms=None):
             rec = dict(best=sweep["best"], heldout_tau1=at1, heldout_best=best, train_best=figures(sweep, "train"),
                        grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
                        kl_last=float(np.mean([r["kl"] for r in metrics[-10:]])),
-                       gain=None if base_best is None else best["accuracy"] - base_best)
+                       gain=None if base_best is None else best["accuracy"] - base_best,
+                       gain_unguided=None if base_best is None else best["accuracy"] - base_unguided)
             res["arms"].setdefault(arm, []).append(rec)
             curves.setdefault(arm, []).append(metrics)
             sweeps_md += sweep_table(f"{arm} {seed}", sweep)
-            gain = "" if rec["gain"] is None else f"{100 * rec['gain']:+.1f}"
+            gain = "" if rec["gain"] is None else f"{100 * rec['gain']:+.1f} ({100 * rec['gain_unguided']:+.1f})"
             runs_md.append(f"| {arm} | {seed} | {sweep['best']['temperature']:g} | {describe(at1)} | {describe(best)} | "
                            f"{gain} | {rec['grad_norm_mean']:.3g}, {rec['grad_norm_cv']:.2f} | {rec['kl_last']:.2e} |")
     summary_md = []

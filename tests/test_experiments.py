@@ -389,6 +389,7 @@ def test_relation_study_report_gains_at_each_ones_best_setting_and_tests_the_tar
     grpo_runs = res["arms"]["grpo"]["runs"]
     assert [r["best"]["temperature"] for r in grpo_runs] == [0.3, 1.0]
     assert grpo_runs[0]["gain"] == pytest.approx(0.55 - 0.42) and grpo_runs[1]["gain"] == pytest.approx(0.60 - 0.42)
+    assert grpo_runs[0]["gain_unguided"] == pytest.approx(0.55 - 0.32)  # the base at w 1, as the runs sample
     assert grpo_runs[0]["heldout_tau1"]["accuracy"] == pytest.approx(0.50)
     assert res["arms"]["grpo"]["heldout_best_std"] == pytest.approx(np.std([0.55, 0.60], ddof=1))
     assert grpo_runs[0]["grad_norm_mean"] == pytest.approx(1.5) and grpo_runs[0]["grad_norm_cv"] == pytest.approx(1 / 3)
