@@ -21,6 +21,15 @@ imported (experiments/study.py and spatial.py import it), and the command that r
       python -m experiments.lab --pretrain --preset relation --pretrain-from runs/relation_clean/base.pt \\
           --relation-p 0.5 --seed 13 --threads 1 --out runs/relation_half
       python -m infra.checkpoints half runs/relation_half/base.pt experiments/bases/relation.pt
+- the presets mirror05 and mirror07: the demo's settings on spatial prompts with the reward
+  shapes_partial, from bases that know a relation's axis but not its direction, as no temperature
+  can fix (experiments/study.md, "A base no temperature fixes"): stage 1 above, then 1500 steps on
+  captions whose relation is drawn mirrored with probability 0.5 or 0.7 (24 minutes each beside
+  other runs on 2 CPU cores):
+      python -m experiments.lab --pretrain --preset relation --pretrain-from runs/relation_clean/base.pt \\
+          --relation-mirror 0.7 --seed 13 --threads 1 --out runs/mirror0.7
+      python -m infra.checkpoints half runs/mirror0.7/base.pt experiments/bases/mirror07.pt
+  (and the same with 0.5 into runs/mirror0.5, experiments/bases/mirror05.pt)
 - the rewards shapes_coverage (a deliberately hackable proxy) and shapes_relation (the relation,
   scored strictly);
 - the flag --train-ar-below N (not in the paper): the trained AR steps are drawn from the first N
@@ -45,11 +54,19 @@ FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", 
 FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
 RELATION_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "relation.pt")
 RELATION_BASE_SHA256 = "5457450d18789d284542b2fe5c9f8694fe4afe2bfdd8a8dd4a4e699bddcb5948"
+MIRROR_BASES = {q: os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", f"mirror{q}.pt")
+                for q in ("05", "07")}
+MIRROR_SHA256 = {"05": "256d5848f1ca73f718ed970baae33ec1c128da34dab7a3559f7e1e68cb4c767c",
+                 "07": "30dd7f4d07be045224e0453d6ffc88e7a9ba95f6fe62a24d789b9a6d56cfe9e6"}
 PRESETS = {"free16": dict(init=FREE16_BASE, img_size=16, num_iter=16, min_diff_step=2, lr=1e-5, cfg=6.0),
-           "relation": dict(flags.SHAPES, init=RELATION_BASE, categories=["spatial"])}
+           "relation": dict(flags.SHAPES, init=RELATION_BASE, categories=["spatial"]),
+           **{f"mirror{q}": dict(flags.SHAPES, init=path, categories=["spatial"], reward="shapes_partial")
+              for q, path in MIRROR_BASES.items()}}
 PRETRAIN_PRESETS = {"free16": dict(img_size=16, patch_size=2, local_conv=3, pretrain_steps=8000),
                     "relation": dict(pretrain.PRESETS["demo"], categories=["spatial"], unmentioned=0.0,
                                      mask_ratio_min=0.9, pretrain_steps=1500, pretrain_lr=5e-4)}
+PRETRAIN_PRESETS.update({f"mirror{q}": dict(PRETRAIN_PRESETS["relation"], relation_mirror=int(q) / 10)
+                         for q in MIRROR_BASES})
 
 
 class ShapesCoverageReward(verifier.ShapesReward):

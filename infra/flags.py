@@ -44,15 +44,10 @@ RELEASED = dict(num_iter=64, temperature=1.0, steps=1200, prompts_per_step=8, gr
                 train_diff_steps=10, reward="hpsv2", save_every=50, sample_every=50, eval_prompts=0,
                 grad_checkpointing=True)
 PRESETS = {
-    # python train.py: MAR-GRPO as released from demo/mirror_base.pt, a base that knows a spatial
-    # relation's axis but not its direction (its captions name it from either side), so no sampling
-    # temperature can fix it; spatial prompts, the reward shapes_partial (half for the objects drawn
-    # exactly, half for the whole image right: docs/demo.md)
-    "demo": dict(SHAPES, init=os.path.join(DEMO, "mirror_base.pt"), categories=["spatial"], reward="shapes_partial",
-                 steps=60),
-    # the earlier demo: MAR-GRPO from demo/base.pt, a base pretrained on under-captioned images that
-    # adds unrequested objects, all prompt categories, the verifier's score as the reward
-    "extras": dict(SHAPES, init=os.path.join(DEMO, "base.pt")),
+    # python train.py: MAR-GRPO as released (MTE on the uncertain unknown tokens) from demo/base.pt, a base
+    # pretrained on under-captioned images that adds unrequested objects; all prompt categories, the
+    # verifier's score as the reward (docs/demo.md; experiments/lab.py holds the spatial presets)
+    "demo": dict(SHAPES, init=os.path.join(DEMO, "base.pt")),
     # the whole pipeline at toy size, under a minute on 2 CPU cores, from the shipped toy base demo/smoke.pt
     "smoke": dict(init=os.path.join(DEMO, "smoke.pt"), num_iter=4, num_sampling_steps=8, steps=3, prompts_per_step=2,
                   group_size=2, train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2,

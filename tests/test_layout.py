@@ -69,8 +69,10 @@ TRAIN_IMPORT_FILES = 26
 
 
 def test_import_train_loads_what_a_run_needs_and_no_scorer():
-    code = ("import sys, os, train; root = os.getcwd(); print('\\n'.join(sorted(m.__file__[len(root) + 1:] "
-            "for m in list(sys.modules.values()) if (getattr(m, '__file__', None) or '').startswith(root))))")
+    # the project's own files: under the checkout, outside the interpreter's (CI's venv sits in .ci/)
+    code = ("import sys, os, train; root = os.getcwd() + os.sep; lib = (sys.prefix + os.sep, sys.base_prefix + os.sep); "
+            "print('\\n'.join(sorted(f[len(root):] for f in (getattr(m, '__file__', None) or '' for m in "
+            "list(sys.modules.values())) if f.startswith(root) and not f.startswith(lib))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     files = out.stdout.split()
     assert not [f for f in files if f.startswith(("scorers/", "experiments/", "benchmarks/", "tests/"))], files

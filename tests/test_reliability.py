@@ -293,10 +293,12 @@ def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base
 @pytest.mark.parametrize("preset,base,sha", [("demo", demo.BASE, demo.BASE_SHA256),
                                              ("smoke", demo.SMOKE_BASE, demo.SMOKE_BASE_SHA256),
                                              ("free16", lab.FREE16_BASE, lab.FREE16_BASE_SHA256),
-                                             ("relation", lab.RELATION_BASE, lab.RELATION_BASE_SHA256)])
+                                             ("relation", lab.RELATION_BASE, lab.RELATION_BASE_SHA256),
+                                             ("mirror05", lab.MIRROR_BASES["05"], lab.MIRROR_SHA256["05"]),
+                                             ("mirror07", lab.MIRROR_BASES["07"], lab.MIRROR_SHA256["07"])])
 def test_shipped_bases_are_the_recorded_files_and_their_presets_models(preset, base, sha):
-    """python train.py starts from demo/base.pt, --preset smoke from demo/smoke.pt (and the lab's
-    presets free16 and relation from experiments/bases/): the file is the one whose checksum is recorded
+    """python train.py starts from demo/base.pt, --preset smoke from demo/smoke.pt (and
+    the lab's presets from experiments/bases/): the file is the one whose checksum is recorded
     beside it, it loads through --init's path (float16 weights into a float32 model), and it is the
     model of its pretraining preset (demo/pretrain.py)."""
     args = train.parse_args(["--preset", preset])
