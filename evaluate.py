@@ -54,7 +54,7 @@ from tqdm import tqdm
 import rewards
 import rollout
 from demo import verifier
-from infra import flags, processes, prompt_records, tables
+from infra import figures, flags, processes, prompt_records, tables
 from models import loading
 
 SEED_STAGE = processes.SEED_STAGES["evaluation"]  # seeded(device, --seed, SEED_STAGE, batch)
@@ -103,9 +103,8 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
             details = details or info.get("details")  # the shapes verifier's checks, per image
         for k, (i, j) in enumerate(batches[b]):
             file = f"images/{i:05d}_{j:03d}.png"
-            pixels = (images[k].float().clamp(0, 1) * 255).round().byte()  # (3, H, W)
-            pixels = pixels.permute(1, 2, 0)  # (H, W, 3)
-            Image.fromarray(pixels.cpu().numpy()).save(os.path.join(out_dir, file))
+            px = images[k].float().clamp(0, 1).mul(255).round().byte().permute(1, 2, 0)  # (H, W, 3)
+            Image.fromarray(px.cpu().numpy()).save(os.path.join(out_dir, file))
             row = dict(prompt=texts[k], prompt_index=i, image_index=j, file=file,
                        **{key: values[k] for key, values in columns.items()})
             task = its[k].get("task_type") if isinstance(its[k], dict) else None  # a record's
@@ -288,7 +287,8 @@ def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
     every τ of --eval-temperatures (and --temperature) and at its best τ, chosen on the training
     split: for shapes prompts the held-out compositions and the training split (prompts of the
     split RL draws from, fresh seeds); with --prompts, those prompts with fresh seeds. Writes
-    eval/base/, eval/tuned/ and eval/summary.json and prints the report; returns {"base": sweep,
+    eval/base/, eval/tuned/, eval/summary.json and eval/base_vs_tuned.png (the same prompts and
+    seeds at the run's τ, then each at its best) and prints the report; returns {"base": sweep,
     "tuned": sweep}."""
     splits = {"train": prompts.eval_items(args.eval_prompts, args.seed, "train")}
     if args.prompts is None and prompts.is_shapes:
@@ -302,9 +302,16 @@ def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
         with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
             json.dump(report, f, indent=1)
         print_report(args.out, report, args.temperature)
+        split, key = next(iter(splits)), report["base"]["key"]
+        at_run = {"temperature": args.temperature, "cfg": None}
+        settings = [("base", at_run), ("tuned", at_run), *((t, report[t]["best"]) for t in report)]
+        rows = [(f"{tag} {tables.setting_name(s)}", os.path.join(args.out, "eval", tag,
+                 setting_folder(s["temperature"], s["cfg"]), split)) for tag, s in settings]
+        def what(r):  # how an image fails (shapes prompts), or its score
+            return verifier.failure(r["details"]) if "details" in r else f"{r[key]:.3f}"
+        figures.image_rows(rows, os.path.join(args.out, "eval", "base_vs_tuned.png"), what)
         if args.preset == "smoke":
-            print("(the smoke preset trains a toy model for seconds: its numbers test the "
-                  "pipeline, not the method)")
+            print("(the smoke preset trains a toy model for seconds: it tests the pipeline only)")
     return report
 
 
@@ -321,13 +328,6 @@ def eval_only(args, ctx, model, codec, prompts, reward_fn):
     scores = os.path.join(args.out, "scores.jsonl")
     ctx.print0(json.dumps(summary, indent=1) + f"\nscores: {scores}")
     return summary
-
-
-def group_diversity(images, G):
-    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
-    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
-    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
-    return d.sum() / (d.shape[0] * G * (G - 1))
 
 
 # -----------------------------------------------------------------------------

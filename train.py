@@ -26,6 +26,7 @@ a torchrun relaunch after a failure resumes by itself (docs/faults.md, infra/run
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -254,6 +255,13 @@ def update(args, ctx, settings, params, opt, loss_module, ref, batches):
 MAX_STATS = ("logp_parity_err", "ratio_max_dev")
 
 
+def group_diversity(images, G):
+    """Mean pairwise RMS pixel distance between the images of a group (a collapse detector)."""
+    x = images.flatten(1).reshape(-1, G, images[0].numel()).float()  # (#prompts, G, 3·H·W)
+    d = torch.cdist(x, x) / math.sqrt(x.shape[-1])  # (#prompts, G, G)
+    return d.sum() / (d.shape[0] * G * (G - 1))
+
+
 def step_row(args, ctx, step, batches, stats, grad_norm, stops):
     """The metrics row of a step, its scalars reduced over ranks (one sync for the means, one for
     the maxima), and the stop every rank agrees on (0, or a signal's number `stops` received)."""
@@ -263,7 +271,7 @@ def step_row(args, ctx, step, batches, stats, grad_norm, stops):
     times = ("t_rollout", "t_reward", "t_update")
     local = dict(reward_mean=scores.mean(), reward_std=scores.std() if len(scores) > 1 else 0.0,
                  adv_abs_mean=adv.abs().mean(), adv_max=adv.max(), grad_norm=grad_norm,
-                 diversity=evaluate.group_diversity(images, args.group_size),
+                 diversity=group_diversity(images, args.group_size),
                  **{key: sum(b.seconds[key] for b in batches) for key in times},
                  **{key: torch.stack([s[key] for s in stats if key in s]).float().mean()
                     for key in stats[0] if key not in MAX_STATS},

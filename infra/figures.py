@@ -4,14 +4,16 @@ import json
 import math
 import os
 
+import numpy as np
+import torch
 from matplotlib.figure import Figure
 from PIL import Image, ImageDraw
 
 
-def save_grid(images, captions, path, scale=4):
-    """A grid of images (B, 3, H, W) in [0, 1] with a caption under each."""
+def save_grid(images, captions, path, scale=4, cols=8):
+    """A grid of images (B, 3, H, W) in [0, 1], `cols` a row, with a caption under each."""
     b, _, h, w = images.shape
-    cols = min(8, b)
+    cols = min(cols, b)
     rows = math.ceil(b / cols)
     cw, ch = max(w * scale, 160), h * scale + 28
     grid = Image.new("RGB", (cols * cw, rows * ch), "white")
@@ -24,6 +26,25 @@ def save_grid(images, captions, path, scale=4):
         draw.text((x + 2, y + h * scale + 14), captions[i][26:52], fill="black")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     grid.save(path)
+
+
+def image_rows(rows, path, caption, k=8):
+    """A grid of saved evaluation images, one row per (label, folder) of `rows` (a folder that
+    evaluate.generate_and_score wrote: scores.jsonl and images/): its first k images, each captioned
+    "label: caption(its scores.jsonl row)" above its prompt. Returns path."""
+    images, captions, per_row = [], [], set()
+    for label, folder in rows:
+        with open(os.path.join(folder, "scores.jsonl")) as f:
+            lines = [json.loads(line) for line in f][:k]
+        per_row.add(len(lines))  # every folder holds the same prompts and seeds
+        for r in lines:
+            pixels = np.array(Image.open(os.path.join(folder, r["file"])).convert("RGB"))  # (H, W, 3)
+            images.append(torch.from_numpy(pixels).permute(2, 0, 1).float() / 255)  # (3, H, W)
+            captions.append(f"{label}: {caption(r)}".ljust(26)[:26] + r["prompt"])
+    if len(per_row) != 1:
+        raise ValueError(f"image_rows: the folders hold different numbers of images ({sorted(per_row)})")
+    save_grid(torch.stack(images), captions, path, cols=per_row.pop())  # (rows · k, 3, H, W)
+    return path
 
 
 def plot_curves(metrics_path, out_path):

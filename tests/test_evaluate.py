@@ -384,3 +384,31 @@ def test_best_setting_breaks_ties_toward_less_sharpening_and_reads_the_choice_sp
     assert evaluate.best_setting(guided) == {"temperature": 0.3, "cfg": None}  # a tie: the lower guidance
     with pytest.raises(ValueError, match="choice split 'valid'"):
         evaluate.best_setting(dict(sweep, choose_on="valid"))
+
+
+def test_image_rows_puts_each_folders_images_in_its_own_row(tmp_path):
+    """python train.py's eval/base_vs_tuned.png: one row per (label, folder), the folder's first k
+    images in scores.jsonl's order, captioned with the label and caption(row); folders holding
+    different numbers of images (not the same prompts and seeds) are an error."""
+    from infra import figures
+    rows = []
+    for r, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        folder = tmp_path / f"setting{r}"
+        (folder / "images").mkdir(parents=True)
+        lines = []
+        for j in range(3):
+            Image.new("RGB", (4, 4), tuple(c // (j + 1) for c in colour)).save(folder / "images" / f"{j}.png")
+            lines.append(json.dumps(dict(prompt=f"p{j}", file=f"images/{j}.png", score=j)))
+        (folder / "scores.jsonl").write_text("\n".join(lines) + "\n")
+        rows.append((f"row {r}", str(folder)))
+    captions = []
+    path = figures.image_rows(rows, str(tmp_path / "grid.png"), lambda row: captions.append(row["prompt"]) or "x", k=2)
+    assert captions == ["p0", "p1", "p0", "p1"]  # the first k of each folder, in order
+    with Image.open(path) as grid:
+        cw, ch = 160, 4 * 4 + 28  # a cell: at least 160 px wide; the image at scale 4 and two caption lines
+        assert grid.size == (2 * cw, 2 * ch)
+        assert grid.getpixel((1, 1)) == (255, 0, 0) and grid.getpixel((cw + 1, 1)) == (127, 0, 0)
+        assert grid.getpixel((1, ch + 1)) == (0, 0, 255) and grid.getpixel((cw + 1, ch + 1)) == (0, 0, 127)
+    (tmp_path / "setting1" / "scores.jsonl").write_text(json.dumps(dict(prompt="p0", file="images/0.png")) + "\n")
+    with pytest.raises(ValueError, match="different numbers of images"):
+        figures.image_rows(rows, str(tmp_path / "grid.png"), lambda row: "x", k=2)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 import torch
 
 import diffloss
@@ -53,6 +54,9 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     assert set(summary) == {"base", "tuned"} and summary["base"]["choose_on"] == "train"
     cells = {(c["temperature"], c["split"]): c["n"] for c in summary["base"]["cells"]}
     assert cells == {(t, s): 4 for t in (0.5, 1.0) for s in ("heldout", "train")}
+    with Image.open(out / "eval/tuned/tau1/heldout" / line["file"]) as image, \
+            Image.open(out / "eval/base_vs_tuned.png") as grid:  # base, tuned at τ 1; each at its best
+        assert grid.height == 4 * (image.height * 4 + 28)  # 4 rows: images at scale 4, two caption lines
     ckpt = torch.load(out / "ckpt/latest.pt", weights_only=True)  # plain dicts only
     assert ckpt["step"] == 3 and isinstance(ckpt["config"], dict)
 

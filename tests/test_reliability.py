@@ -272,12 +272,12 @@ def rss_mb():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
 def test_long_run_memory_is_flat_and_checkpoints_are_pruned(tmp_path, smoke_base, capsys, monkeypatch):
-    rss, real = [], evaluate.group_diversity
+    rss, real = [], train.group_diversity
 
     def sampled(images, G):  # called once per GRPO step, in its logging stage
         rss.append(rss_mb())
         return real(images, G)
-    monkeypatch.setattr(evaluate, "group_diversity", sampled)
+    monkeypatch.setattr(train, "group_diversity", sampled)
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "50", "--save-every", "10", "--keep-last", "2",
                                            "--sample-every", "1000"))
