@@ -305,13 +305,13 @@ def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
         split, key = next(iter(splits)), report["base"]["key"]
         at_run = {"temperature": args.temperature, "cfg": None}
         settings = [("base", at_run), ("tuned", at_run), *((t, report[t]["best"]) for t in report)]
-        rows = [(f"{tag} {tables.setting_name(s)}", os.path.join(args.out, "eval", tag,
+        rows = [(f"{tag} t{s['temperature']:g}", os.path.join(args.out, "eval", tag,
                  setting_folder(s["temperature"], s["cfg"]), split)) for tag, s in settings]
         def what(r):  # how an image fails (shapes prompts), or its score
             return verifier.failure(r["details"]) if "details" in r else f"{r[key]:.3f}"
         figures.image_rows(rows, os.path.join(args.out, "eval", "base_vs_tuned.png"), what)
         if args.preset == "smoke":
-            print("(the smoke preset trains a toy model for seconds: it tests the pipeline only)")
+            print("(a toy model trained for seconds: its numbers test the pipeline only)")
     return report
 
 

@@ -1,7 +1,7 @@
 """MAR-GRPO training: the GRPO loop, one script from a CPU laptop to `torchrun --nproc_per_node=8`.
 
     python train.py                  # the demo: MAR-GRPO from a shipped small MAR of the shapes
-                                     # world, then base and tuned model evaluated (docs/demo.md)
+                                     # world, then base and tuned model at every τ (docs/demo.md)
     python train.py --preset smoke   # the whole pipeline at toy size (tests, CI)
     torchrun --nproc_per_node=8 train.py --preset mar_base --init mar_base.pth --vae kl16.ckpt \\
         --reward hpsv2 --reward-ckpt hpsv2=HPS_v2.1_compressed.pt

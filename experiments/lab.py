@@ -23,7 +23,7 @@ imported (experiments/study.py and spatial.py import it), and the command that r
       python -m infra.checkpoints half runs/relation_half/base.pt experiments/bases/relation.pt
 - the presets mirror05 and mirror07: the demo's settings on spatial prompts with the reward
   shapes_partial, from bases that know a relation's axis but not its direction, as no temperature
-  can fix (experiments/study.md, "A base no temperature fixes"): stage 1 above, then 1500 steps on
+  can fix (experiments/study.md, "Looking for a result RL earns"): stage 1 above, then 1500 steps on
   captions whose relation is drawn mirrored with probability 0.5 or 0.7 (24 minutes each beside
   other runs on 2 CPU cores):
       python -m experiments.lab --pretrain --preset relation --pretrain-from runs/relation_clean/base.pt \\

@@ -30,12 +30,14 @@ def save_grid(images, captions, path, scale=4, cols=8):
 
 def image_rows(rows, path, caption, k=8):
     """A grid of saved evaluation images, one row per (label, folder) of `rows` (a folder that
-    evaluate.generate_and_score wrote: scores.jsonl and images/): its first k images, each captioned
-    "label: caption(its scores.jsonl row)" above its prompt. Returns path."""
+    evaluate.generate_and_score wrote: scores.jsonl and images/): k of its images, evenly spaced in
+    scores.jsonl's order (so across the prompt categories), each captioned "label: caption(its row)"
+    above its prompt. Returns path."""
     images, captions, per_row = [], [], set()
     for label, folder in rows:
         with open(os.path.join(folder, "scores.jsonl")) as f:
-            lines = [json.loads(line) for line in f][:k]
+            lines = [json.loads(line) for line in f]
+        lines = lines[::max(1, len(lines) // k)][:k]
         per_row.add(len(lines))  # every folder holds the same prompts and seeds
         for r in lines:
             pixels = np.array(Image.open(os.path.join(folder, r["file"])).convert("RGB"))  # (H, W, 3)

@@ -403,7 +403,7 @@ def test_image_rows_puts_each_folders_images_in_its_own_row(tmp_path):
         rows.append((f"row {r}", str(folder)))
     captions = []
     path = figures.image_rows(rows, str(tmp_path / "grid.png"), lambda row: captions.append(row["prompt"]) or "x", k=2)
-    assert captions == ["p0", "p1", "p0", "p1"]  # the first k of each folder, in order
+    assert captions == ["p0", "p1", "p0", "p1"]  # k of each folder, evenly spaced, in order
     with Image.open(path) as grid:
         cw, ch = 160, 4 * 4 + 28  # a cell: at least 160 px wide; the image at scale 4 and two caption lines
         assert grid.size == (2 * cw, 2 * ch)
