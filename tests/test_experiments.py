@@ -88,14 +88,15 @@ def test_context_probe_renders_the_presets_world(smoke_base, monkeypatch, capsys
 
 
 def test_study_table_runs_evaluates_and_reports_then_skips_what_is_done(tmp_path, capsys):
-    """study.py --study hack at toy size (from the smoke preset's base): each arm trains on the proxy
-    with the verifier logged beside it, its last checkpoint and the base are evaluated, and the
-    report holds one row per arm; a second call starts no process."""
+    """study.py --study hack at toy size (from the smoke preset's base; two of its three arms): each
+    arm trains on the proxy with the verifier logged beside it, its last checkpoint and the base are
+    evaluated, and the report holds one row per arm; a second call starts no process."""
     out = tmp_path / "study"
-    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out)]
+    argv = ["--study", "hack", "--preset", "smoke", "--study-steps", "2", "--study-out", str(out),
+            "--study-arms", "grpo,mar-grpo"]
     summary = study.main(argv)["hack"]
     assert "study: hack: mar-grpo seed 0" in capsys.readouterr().out
-    assert set(summary) == {"grpo", "grpo-fixed-head", "mar-grpo"}
+    assert set(summary) == {"grpo", "mar-grpo"}
     for stats in summary.values():
         assert stats["reward_first"][2] == 1 and 0 <= stats["verifier_last"][0] <= 1
         assert 0 <= stats["train_acc@2"][0] <= 1 and stats["grad_norm_max"][0] >= stats["grad_norm_mean"][0] > 0

@@ -2,8 +2,10 @@
 line, the right exit status, and nothing lost (docs/faults.md lists every case; the bad flags and
 files of train.py are test_reliability.py's table). CPU-only, smoke size."""
 
+import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import train
-from infra import checkpoints
+from infra import checkpoints, processes
 from tests.helpers import ENV, ROOT, TRAIN, cli, grpo_flags, load, metrics
 
 
@@ -156,7 +158,7 @@ def run_script(*cmd, timeout=120):
     return res.returncode, res.stderr.strip().splitlines()
 
 
-# each case a script started with a bad flag; all start at once (importing torch is most of each one's time)
+# each case a script's flags, one of them bad (run in-process through the script's own entry)
 BAD_SCRIPT_FLAGS = [
     (["-m", "models.nova_embed", "--init", "nope", "--text-encoder", "nope", "--prompts", "gone.txt", "--out", "x.pt"],
      ["--prompts", "gone.txt"]),
@@ -173,23 +175,24 @@ BAD_SCRIPT_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bad_input_answers():
-    """{case index: (exit status, stderr lines)} of every BAD_SCRIPT_FLAGS script, run side by side."""
-    procs = [subprocess.Popen([sys.executable, *map(str, cmd)], env=ENV, cwd=ROOT, text=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for cmd, _ in BAD_SCRIPT_FLAGS]
-    answers = {}
-    for i, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=300)
-        answers[i] = proc.returncode, err.strip().splitlines()
-    return answers
-
-
 @pytest.mark.parametrize("case", range(len(BAD_SCRIPT_FLAGS)), ids=[" ".join(cmd[1:3]) for cmd, _ in BAD_SCRIPT_FLAGS])
-def test_scripts_answer_bad_input_in_one_line(case, bad_input_answers):
-    (code, lines), words = bad_input_answers[case], BAD_SCRIPT_FLAGS[case][1]
+def test_scripts_answer_bad_input_in_one_line(case, capsys, monkeypatch):
+    """A script beside train.py given a bad flag: exit status 2 and one line naming it, from its
+    main through processes.cli, as `python -m SCRIPT` runs it (the next test)."""
+    cmd, words = BAD_SCRIPT_FLAGS[case]
+    monkeypatch.chdir(ROOT)
+    code = processes.cli(importlib.import_module(cmd[1]).main, cmd[2:])
+    lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_every_script_runs_its_main_through_cli():
+    """`python -m SCRIPT` ends in sys.exit(cli(main)), so the one-line answers above are what a user
+    sees (a subprocess shows it for experiments.study: the test below)."""
+    for module in sorted({cmd[1] for cmd, _ in BAD_SCRIPT_FLAGS}):
+        text = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        assert re.search(r'\nif __name__ == "__main__":\n    sys\.exit\((processes\.)?cli\(main\)\)\n*$', text), module
 
 
 def test_study_checks_every_runs_flags_before_the_first_run(tmp_path, smoke_base):

@@ -100,9 +100,13 @@ def test_smoke_pipeline_on_cuda(tmp_path):
 
 def test_resume_continues_identically(tmp_path, smoke_base):
     common = ["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--save-every", "1"]
-    run_train(*common, "--steps", "4", "--out", str(tmp_path / "full"))
+    full = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, "--steps", "4", "--out",
+                             str(tmp_path / "full")], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # beside the interrupted run: one thread each
     run_train(*common, "--steps", "2", "--out", str(tmp_path / "part"))
     run_train(*common, "--steps", "4", "--resume", "--out", str(tmp_path / "part"))
+    _, err = full.communicate(timeout=300)
+    assert full.returncode == 0, err[-3000:]
 
     def rows(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
