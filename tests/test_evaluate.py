@@ -412,3 +412,18 @@ def test_image_rows_puts_each_folders_images_in_its_own_row(tmp_path):
     (tmp_path / "setting1" / "scores.jsonl").write_text(json.dumps(dict(prompt="p0", file="images/0.png")) + "\n")
     with pytest.raises(ValueError, match="different numbers of images"):
         figures.image_rows(rows, str(tmp_path / "grid.png"), lambda row: "x", k=2)
+
+
+def test_train_pys_report_with_guidance_weights_includes_the_runs_own(tmp_path, monkeypatch, capsys):
+    """python train.py --eval-cfgs 1,2 with the run's guidance w 3: the sweep adds w 3, so the report's
+    "at the run's setting" row and the grid's first rows are cells of the sweep (they were missing)."""
+    base, tuned = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    monkeypatch.setattr(evaluate, "generate", fake_generate({id(base): 0.5, id(tuned): 1.0}))
+    args = train.parse_args(["--preset", "smoke", "--out", str(tmp_path), "--cfg", "3", "--eval-cfgs", "1,2",
+                             "--eval-temperatures", "0.5,1"])
+    ctx = processes.Ctx(args)
+    report = evaluate.base_and_tuned(args, ctx, base, tuned, None, loading.load_prompts(args, None),
+                                     rewards.build_reward("shapes"))
+    assert {c["cfg"] for c in report["base"]["cells"]} == {1.0, 2.0, 3.0}
+    assert f"at τ {args.temperature:g}, w 3" in capsys.readouterr().out
+    assert (tmp_path / "eval" / "base_vs_tuned.png").exists()
