@@ -253,12 +253,12 @@ def describe(summary, key):
     return f"{summary[key]:.4g}{spread} (n {summary['n']})"
 
 
-def print_report(out, report, temperature, cfg=None):
-    """The before/after report of `python train.py`: per split, base and tuned at the run's τ (and
-    `cfg`, where the sweep has guidance weights) and each at its best (chosen on the training
-    split), the gain over the base at its best, and how the images at the best fail."""
+def print_report(out, report, at_run):
+    """The before/after report of `python train.py`: per split, base and tuned at the run's setting
+    `at_run` ({"temperature", "cfg"}: a cell of the sweep) and each at its best (chosen on the
+    training split), the gain over the base at its best, and how the images at the best fail."""
     base, tuned = report["base"], report["tuned"]
-    key, at_run = base["key"], {"temperature": temperature, "cfg": cfg}
+    key = base["key"]
     scale, unit = (100, " points") if key == "accuracy" else (1, "")
     titles = {"heldout": "held-out prompts (never seen in pretraining or RL)",
               "train": "training-split prompts, fresh seeds"}
@@ -294,6 +294,7 @@ def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
     if args.prompts is None and prompts.is_shapes:
         splits = {"heldout": prompts.eval_items(args.eval_prompts, args.seed, "heldout"), **splits}
     temperatures = sorted({*args.eval_temperatures, args.temperature})
+    at_run = {"temperature": args.temperature, "cfg": args.cfg if args.eval_cfgs else None}
     cfgs = sorted({*args.eval_cfgs, args.cfg}) if args.eval_cfgs else (None,)  # the run's w is one
     report = {tag: sweep_splits(args, ctx, model, codec, prompts, splits, {args.reward: reward_fn},
                                 os.path.join(args.out, "eval", tag), temperatures, cfgs)
@@ -301,9 +302,8 @@ def base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn):
     if ctx.master:
         with open(os.path.join(args.out, "eval", "summary.json"), "w") as f:
             json.dump(report, f, indent=1)
-        print_report(args.out, report, args.temperature, args.cfg if args.eval_cfgs else None)
+        print_report(args.out, report, at_run)
         split, key = next(iter(splits)), report["base"]["key"]
-        at_run = {"temperature": args.temperature, "cfg": args.cfg if args.eval_cfgs else None}
         settings = [("base", at_run), ("tuned", at_run), *((t, report[t]["best"]) for t in report)]
         rows = [(f"{tag} t{s['temperature']:g}", os.path.join(args.out, "eval", tag,
                  setting_folder(s["temperature"], s["cfg"]), split)) for tag, s in settings]

@@ -145,10 +145,11 @@ def report(opts, arms=None):
     base_best = base_unguided = None
     if base:
         sweeps_md += sweep_table("base", base)
-        base_best = figures(base, "heldout")["accuracy"]  # the base at its best τ and guidance
-        base_unguided = figures(at_w1(base), "heldout")["accuracy"]  # ... as the tuned runs sample
+        unguided = at_w1(base)  # the base at its best unguided setting, as the tuned runs sample
         res["base_best"] = dict(setting=base["best"], heldout=figures(base, "heldout"),
-                                unguided=dict(setting=at_w1(base)["best"], heldout=figures(at_w1(base), "heldout")))
+                                unguided=dict(setting=unguided["best"], heldout=figures(unguided, "heldout")))
+        base_best = res["base_best"]["heldout"]["accuracy"]  # the base at its best τ and guidance
+        base_unguided = res["base_best"]["unguided"]["heldout"]["accuracy"]
     curves = {}
     tau1 = {"temperature": 1.0, "cfg": None}
     for arm in arms:

@@ -366,7 +366,7 @@ def test_each_model_is_scored_at_its_best_tau_and_the_gain_is_against_the_bases_
     assert evaluate.cell(report["tuned"], "heldout", {"temperature": 0.2, "cfg": None})["accuracy"] == 0.0
     assert evaluate.gain_at_best(report["base"], report["tuned"], "heldout") == 0.0
     capsys.readouterr()
-    evaluate.print_report(str(tmp_path), report, 1.0)
+    evaluate.print_report(str(tmp_path), report, {"temperature": 1.0, "cfg": None})
     out = capsys.readouterr().out
     assert "at its best, τ 0.2   100.0%" in out and "at its best, τ 0.5   100.0%" in out
     assert "+0.0 points each at its best τ, +0.0 points at τ 1" in out
