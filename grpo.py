@@ -317,12 +317,14 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
         new_old["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()
-        # the MTE gap: on the uncertain tokens outside P_i, ℓ of the rollout's own draws (from z_i)
-        # minus the mean ℓ of the trajectories (from z_final), both under z_i, per element: in
-        # expectation (μ(x^k, z_i) − μ(x^k, z_final))² / (2s²) over the trajectories' states: the
-        # KL between this step's transitions and those the trajectories were drawn from
-        # (docs/method.md §4: what the released MTE term does there, and why its gap grows)
-        stats["mte_gap"] = masked_mean(logp.detach() - logp_s.detach().mean(0), unc & ~pred)
+        # the MTE gap: on the uncertain tokens outside P_i, the trajectories' ℓ under the z_final
+        # they were drawn from minus their ℓ under z_i, per element: a log-likelihood ratio whose
+        # mean is the KL (μ(x^k, z_final) − μ(x^k, z_i))² / (2s²) over the trajectories' states,
+        # how far this step's transitions sit from those the trajectories came from (docs/method.md
+        # §4: what the released MTE term does there, and why a run whose gap grows collapses)
+        drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
+            logp_s))  # (S, K, B, n, C)
+        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~pred)
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,

@@ -53,7 +53,8 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
     z_final_null: (B, L, D) the null-condition z for CFG, or None without guidance;
     cfg_final: (B, L) the guidance w of each token; temperature: τ; num_trajectories: S;
     diff_steps: the K recorded sampling steps (as the rollout's, ints); generator: torch.Generator.
-    returns dict x_t, x_prev, std (S, K, B, L, C) and x0 (S, B, L, C).
+    returns dict x_t, x_prev, std, logp (S, K, B, L, C) (logp: ℓ under the z they were drawn
+    from) and x0 (S, B, L, C).
     """
     S, (B, L, D) = num_trajectories, z_final.shape
     z = z_final.expand(S, B, L, D).reshape(S * B * L, D)  # (S·B·L, D)
@@ -65,7 +66,7 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
     x0, traj = head.sample(z, temperature, cfg, generator, record_steps=diff_steps)
     K, C = len(diff_steps), x0.shape[-1]
     out = {key: traj[key].reshape(K, S, B, L, C).transpose(0, 1)
-           for key in ("x_t", "x_prev", "std")}  # (S, K, B, L, C)
+           for key in ("x_t", "x_prev", "std", "logp")}  # (S, K, B, L, C)
     out["x0"] = x0.reshape(S, B, L, C)
     return out
 
