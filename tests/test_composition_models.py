@@ -21,6 +21,7 @@ import rewards
 from infra import prompt_records
 from scorers import composition_rules as cr
 from scorers import detector, hf_folders
+from tables import paper
 from tests.helpers import FIXTURES
 from tests.test_composition import box
 
@@ -315,7 +316,7 @@ def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tin
              "--preset", "adapter_smoke", "--model", "nova", "--prompt-embeds", tmp_path / "embeds.pt", "--prompts", prompts,
              "--images-per-prompt", 2, "--batch-size", 4, "--out", out]
     capsys.readouterr()
-    assert evaluate.cli([str(f) for f in flags]) == 0, capsys.readouterr().err[-2000:]
+    assert paper.cli([str(f) for f in flags]) == 0, capsys.readouterr().err[-2000:]
     printed = capsys.readouterr().out
     table = json.loads((out / "table.json").read_text())
     rows = [json.loads(line) for line in (out / "base" / "scores.jsonl").read_text().splitlines()]
@@ -330,7 +331,7 @@ def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tin
     assert "| checkpoint | Color | Shape | Texture | Spatial | Non-spatial | Complex | Numeracy |" in printed
     assert "GroundingDINO" in printed  # the departures are printed under the table
     # the table needs the records and its three weights, said in one line before any work
-    code = evaluate.cli([str(f) for f in flags[:2] + ["--compbench"] + flags[6:]])
+    code = paper.cli([str(f) for f in flags[:2] + ["--compbench"] + flags[6:]])
     err = capsys.readouterr().err
     assert code == 2 and "--compbench-ckpt blip_vqa=PATH is required" in err and len(err.strip().splitlines()) == 1
 

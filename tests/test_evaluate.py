@@ -1,4 +1,5 @@
-"""Tests of the paper's table (`python evaluate.py --ckpt NAME=PATH ...`), in this process, on the CPU.
+"""Tests of the paper's table (`python -m tables.paper --ckpt NAME=PATH ...`) and of evaluate.py's generation
+and sweep under it, in this process, on the CPU.
 
 Two small-MAR checkpoints in train.py's format ({"model", "config"}: a random one and a perturbed
 copy), two shapes prompts, 2 images per prompt, and three rewards: `shapes`, `jpeg_incompressibility`
@@ -27,9 +28,11 @@ import mar
 import rewards
 import train
 from demo import pretrain, shapes, verifier
+from experiments import spatial
 from infra import processes
 from models import loading, vae
 from scorers import clip as clip_rewards
+from tables import paper
 from tests.helpers import ADAPTER_PROMPTS as NOVA_PROMPTS
 from tests.test_train_adapters import DDPM, save_nova_pipeline
 
@@ -41,9 +44,9 @@ SAMPLING = ["--preset", "smoke", "--num-iter", "2", "--num-sampling-steps", "4",
 
 
 def run(capsys, *flags):
-    """evaluate.cli in this process. Returns (exit status, stdout, stderr)."""
+    """tables.paper.cli in this process. Returns (exit status, stdout, stderr)."""
     capsys.readouterr()
-    code = evaluate.cli([str(f) for f in flags])
+    code = paper.cli([str(f) for f in flags])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -102,7 +105,7 @@ def table_run(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("table")
     with pytest.MonkeyPatch.context() as mp:
         tiny_hps(mp)
-        table = evaluate.main(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}", "--ckpt",
+        table = paper.main(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}", "--ckpt",
                                           f"tuned={files / 'tuned.pt'}", "--ckpt", f"again={files / 'base.pt'}"))
     return out, table
 
@@ -161,7 +164,7 @@ def test_images_are_the_seeded_batches_and_differ_between_checkpoints(table_run,
         assert np.array_equal(read_png(out / "base" / n), read_png(out / "again" / n))
         assert not np.array_equal(read_png(out / "base" / n), read_png(out / "tuned" / n))
     # by hand: batch b = jobs [3b, 3b + 3) of (prompt, image), generator seeded by (seed, SEED_STAGE, b)
-    args, _ = evaluate.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
+    args, _ = paper.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
     model = loading.load_policy(args, str(files / "base.pt"))
     prompts = loading.load_prompts(args, model)
     jobs = [(i, j) for i in range(2) for j in range(2)]
@@ -184,7 +187,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
     for s in read_scores(second / "b"):
         assert np.array_equal(read_png(second / "b" / s["file"]), read_png(out / "base" / s["file"]))
     # rank 1 of 2 generates batches 1, 3, ... with the same generators as one process does
-    args, _ = evaluate.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
+    args, _ = paper.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
 
     class Rank1:
         rank, world, ddp, master, device = 1, 2, False, False, torch.device("cpu")
@@ -320,8 +323,9 @@ def test_failure_modes_and_the_partial_reward_on_hand_made_images(kind):
 
 
 def test_summary_counts_every_image_and_relation_given_both_beside_it():
-    """Five images, one of each mode: strict accuracy 1/5 of all images; relation right (both objects
-    drawn once, relation holds, extras allowed) 2/5; relation | both among the 4 with both objects."""
+    """Five images, one of each mode: strict accuracy 1/5 of all images; the spatial study's relation
+    right (both objects drawn once, relation holds, extras allowed) 2/5; relation | both among the 4
+    with both objects."""
     rows = []
     for i, kind in enumerate(["right", "wrong relation", "missing object", "wrong count", "extra object"]):
         image, meta = layout_images(kind)
@@ -330,6 +334,10 @@ def test_summary_counts_every_image_and_relation_given_both_beside_it():
     s = evaluate.summarize(rows, ["shapes"])
     assert s["n"] == 5 and s["accuracy"] == pytest.approx(0.2)
     assert s["failures"] == {m: pytest.approx(0.2) for m in verifier.FAILURES}
+    assert "both" not in s and "pass_at" not in s  # the spatial study's figures are its own
+    s = spatial.spatial_summary(rows, ["shapes"])
+    assert s == {**evaluate.summarize(rows, ["shapes"]), **{k: s[k] for k in ("spatial_n", "both", "relation_right",
+                                                                            "relation_given_both")}}
     # right and extra hold it; the copy's relation is read off the first of its equal instances, here not
     assert s["both"] == 4 and s["relation_given_both"] == pytest.approx(2 / 4)
     assert s["relation_right"] == pytest.approx(2 / 5)

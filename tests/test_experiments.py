@@ -150,7 +150,7 @@ def test_spatial_group_signal_counts_groups_relations_and_best_of_n():
     assert r["groups_any_correct"] == 0.5 and r["groups_any_relation"] == 1.0 and r["groups_reward_varies"] == 0.5
     assert (r["both"], r["relation_given_both"]) == (4, 2) and r["relation_rate_given_both"] == 0.5
     assert r["pass_at"] == pytest.approx({1: 1 / 6, 2: (2 / 3) / 2, 3: 0.5})
-    assert evaluate.pass_at(6, 0, 3) == 0 and evaluate.pass_at(6, 4, 3) == 1 and evaluate.pass_at(6, 1, 1) == pytest.approx(1 / 6)
+    assert spatial.pass_at(6, 0, 3) == 0 and spatial.pass_at(6, 4, 3) == 1 and spatial.pass_at(6, 1, 1) == pytest.approx(1 / 6)
     assert r["reward_var_within"] == pytest.approx(np.var([1.0, 0.5, 0.2], ddof=1) / 2)
 
 

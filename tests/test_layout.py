@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 
 ROOT_FILES = {"README.md", "requirements.txt", "mar.py", "diffloss.py", "mte.py", "masks.py", "grpo.py", "rewards.py",
               "train.py", "test_margrpo.py", "rollout.py", "evaluate.py"}
-FOLDERS = {"models", "scorers", "demo", "infra", "benchmarks", "tests", "experiments", "docs"}
+FOLDERS = {"models", "scorers", "demo", "infra", "tables", "benchmarks", "tests", "experiments", "docs"}
 # what each concept file may import from the project (docs/method.md's files copy out with these alone)
 CONCEPT_IMPORTS = {"diffloss": set(), "masks": set(), "mte": {"diffloss"}, "mar": {"diffloss"},
                    "grpo": {"mte", "masks", "diffloss"}, "rollout": {"diffloss"}, "rewards": set()}

@@ -15,6 +15,7 @@ import train
 from infra import lora
 from infra.processes import cli as run
 from models import loading, merge_lora, vae
+from tables import paper
 from tests.helpers import cli, grpo_flags, load, metrics, settings
 from tests.test_distributed import tiny
 from tests.test_wiring import lively_base
@@ -149,7 +150,7 @@ def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, t
         code, _, err = cli(capsys, "--preset", "smoke", "--eval-only", "--init", init, "--eval-prompts", "2",
                            "--out", tmp_path / f"eval_{init.name}")
         assert code == 0, err
-    table = evaluate.main(["--preset", "smoke", "--ckpt", f"base={base_path}", "--ckpt", f"lora={path}",
+    table = paper.main(["--preset", "smoke", "--ckpt", f"base={base_path}", "--ckpt", f"lora={path}",
                            "--ckpt", f"merged={merged}", "--reward", "jpeg_incompressibility", "--out", str(tmp_path / "table")])
     cells = {row["name"]: row["cells"]["jpeg_incompressibility"]["mean"] for row in table["rows"]}
     assert cells["lora"] == pytest.approx(cells["merged"], rel=1e-3) and cells["lora"] != cells["base"]

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-import evaluate
 import rewards
 from infra import processes
 from scorers import auth, remote, server, wire
+from tables import paper
 from tests.helpers import cli, grpo_flags
 from tests.test_reward_server import shapes_batch
 
@@ -353,7 +353,7 @@ def test_a_run_stops_in_one_line_on_a_hostile_server_and_a_malformed_token(smoke
                  "--images-per-prompt", "2", "--reward", "shapes", "--preset", "smoke",
                  "--num-iter", "2", "--num-sampling-steps", "4", "--out", tmp_path / "eval",
                  "--reward-url", url]
-        code = evaluate.cli([str(f) for f in flags])
+        code = paper.cli([str(f) for f in flags])
         err = capsys.readouterr().err
         assert code == 1 and "Traceback" not in err, err
         said = [line for line in err.splitlines() if "error" in line.lower() or "\x1b" in line]
