@@ -48,6 +48,7 @@ from infra.flags import (FRACTION, NONNEG_FLOAT, NONNEG_INT, POS_FLOAT, POS_INT,
 from infra.processes import SEED_STAGES, Ctx, all_finite
 from infra.run_folder import RunFolder
 from models import loading
+from scorers import registry
 
 # -----------------------------------------------------------------------------
 # The paper's settings (docs/method.md §6-§8: L = −mean_i (P_i − β KL_i), its variants, the
@@ -95,7 +96,7 @@ def paper_flags(p):
     a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
     # the reward
     a("--reward", default="shapes",
-      help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5 (rewards.py)")
+      help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5 (scorers/registry.py)")
     a("--reward-norm", default="none", choices=["none", "group-minmax"],
       help="combine the rewards as the weighted sum of their raw values, or of each min-max "
            "normalised within its group (the released normalize_multi_rewards)")
@@ -165,7 +166,8 @@ def check_inputs(args, world):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world "
                          f"size {world} × --grad-accum {args.grad_accum} (each prompt's group is "
                          "generated in one micro-batch)")
-    flags.check_model_inputs(args, [name for name, _ in rewards.parse_reward_spec(args.reward)])
+    flags.check_model_inputs(args)
+    registry.check_reward_flags(args)
     loading.check_prompt_files(args)
     ckpt_dir = os.path.join(args.out, "ckpt")
     again = " (--resume auto starts fresh if none)"
@@ -407,9 +409,7 @@ def main(argv=None, extra=(), hooks=None):
     settings = check_inputs(args, ctx.world)
 
     # --- load what the run needs; a bad file fails now, and nothing has been written yet
-    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=weights,
-                                     server=rewards.server_settings(args))  # --reward-url
+    reward_fn = registry.build_run_reward(args, ctx.device)  # or its --reward-url server's
     base, codec, prompts = load_base(args, ctx, args.init)
     # the flags that describe the model say what it is
     loading.describe(args, base, flags.given(argv, build_parser(extra)))
@@ -439,7 +439,7 @@ def main(argv=None, extra=(), hooks=None):
 def cli(argv=None, extra=(), hooks=None):
     """`python train.py ...`: main() with failures said in one line (infra/processes.cli).
     Returns the exit status."""
-    return processes.cli(lambda a: main(a, extra, hooks), argv)
+    return processes.cli(lambda a: main(a, extra, hooks), argv, stops=(rewards.RewardFailed,))
 
 
 if __name__ == "__main__":

@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 import grpo
-import rewards
 import train
 from demo import pretrain, shapes, verifier
 from experiments import raft
 from infra import flags, processes
+from scorers import registry
 
 FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
 FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
@@ -131,8 +131,8 @@ def parse_args(argv):
 
 flags.PRESETS.update(PRESETS)
 pretrain.PRESETS.update(PRETRAIN_PRESETS)
-rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
-rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
+registry.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
+registry.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
 
 
 def main(argv=None):

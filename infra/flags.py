@@ -19,8 +19,7 @@ import importlib.util
 import math
 import os
 
-import rewards
-from infra import checkpoints, prompt_records
+from infra import checkpoints
 from infra.processes import Parser
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")  # the shipped bases
@@ -245,12 +244,13 @@ def given(argv, parser):
     return {a.dest for a in parser._actions if words & set(a.option_strings)}
 
 
-def check_model_inputs(args, reward_names=None):
+def check_model_inputs(args, scores_reward=True):
     """What train.py and evaluate.py check alike, before anything is loaded: the model's files exist,
-    the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, the rewards
-    (names from rewards.parse_reward_spec, or None when the run scores nothing) fit the model and
-    their weight flags parse, and --out is writable. (models.loading.check_prompt_files parses the
-    prompt files, and scorers/remote.py reads the token and asks the server, also before any write.)"""
+    the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, a reward
+    server is named only by a run that scores a --reward (`scores_reward`) and its token file exists,
+    and --out is writable. (scorers/registry.check_reward_flags checks the --reward spec and its weight
+    flags, models.loading.check_prompt_files parses the prompt files, and scorers/remote.py reads the
+    token and asks the server, also before any write.)"""
     for name in ("prompts", "vae", "tokenizer", "prompt_embeds"):
         path = getattr(args, name)
         if path is not None and not os.path.exists(path):
@@ -259,22 +259,11 @@ def check_model_inputs(args, reward_names=None):
         raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
     if args.model in ("harmon", "nova") and args.prompts is None:
         raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
-    if reward_names is not None:
-        shapes_rewards = [n for n in reward_names if n.startswith("shapes")]
-        if shapes_rewards and args.model != "small":
-            raise ValueError(f"--reward {shapes_rewards[0]} scores shapes-world prompts; --model {args.model} "
-                             "does not draw them")
-        needs_records = [n for n in reward_names if n in rewards.METADATA_REWARDS]
-        if needs_records and not (args.prompts and prompt_records.is_record_file(args.prompts)):
-            raise ValueError(f"--reward {needs_records[0]} reads the released prompt metadata: give --prompts "
-                             "FILE.jsonl (one JSON record a line, infra/prompt_records.py)"
-                             + ("" if args.prompts is None else f", not {args.prompts}"))
-        rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
     if args.reward_url is not None:  # a reward server scores: its weights and its address are its own
         if args.reward_ckpt:
             raise ValueError(f"--reward-ckpt {args.reward_ckpt[0]}: the reward server of --reward-url loads the "
                              "reward weights (python -m scorers.server --reward-ckpt KEY=PATH)")
-        if reward_names is None:
+        if not scores_reward:
             raise ValueError("--reward-url: this run scores no --reward in this process's place (the "
                              "T2I-CompBench evaluators run here); drop --reward-url")
     if args.reward_token_file is not None:

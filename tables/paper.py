@@ -31,7 +31,7 @@ import evaluate
 import rewards
 from infra import flags, processes, prompt_records
 from models import loading
-from scorers import compbench
+from scorers import compbench, registry
 
 # -----------------------------------------------------------------------------
 # The table's flags
@@ -49,7 +49,7 @@ def table_flags(p):
     a("--out", required=True, help="output folder: NAME/images/, NAME/scores.jsonl, table.md, "
                                    "table.json")
     a("--reward", default=None, help="the columns: reward names, comma-separated, each scored on "
-                                     "its own (rewards.py; the shapes world's: shapes)")
+                                     "its own (scorers/registry.py; the shapes world's: shapes)")
     a("--sweep", action="store_true", help="score every checkpoint at each τ of "
       "--eval-temperatures (× --eval-cfgs), choose each one's best on --choose-prompts, and report "
       "--prompts at --temperature and at that best, with the gain over the first checkpoint at its "
@@ -86,7 +86,7 @@ def reward_names(spec):
     if ":" in (spec or ""):
         raise ValueError(f"--reward {spec}: the table scores each reward on its own; list names "
                          "without weights")
-    return [name for name, _ in rewards.parse_reward_spec(spec)]  # an unknown name fails now
+    return [name for name, _ in registry.parse_spec(spec)]  # an unknown name fails now
 
 
 def parse_table_args(argv=None):
@@ -129,7 +129,11 @@ def check_table_inputs(args):
     if not args.compbench and not args.reward:
         raise ValueError("--reward: name the rewards the table scores (e.g. shapes, or "
                          "hpsv2,pickscore)")
-    flags.check_model_inputs(args, None if args.compbench else reward_names(args.reward))
+    if not args.compbench:
+        reward_names(args.reward)  # an unknown name or a weight fails now
+    flags.check_model_inputs(args, scores_reward=not args.compbench)
+    if not args.compbench:
+        registry.check_reward_flags(args)
     loading.check_prompt_files(args)
 
 
@@ -246,11 +250,11 @@ def main(argv=None):
         reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
         columns, notes = None, compbench.DEPARTURES
     else:
-        weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+        weights = registry.parse_reward_ckpt(args.reward_ckpt, args.reward)
         names = reward_names(args.reward)
-        server = rewards.server_settings(args)
-        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights,
-                                                 server=server) for name in names}
+        server = registry.server_settings(args)
+        reward_fns = {name: registry.build_reward(name, device=ctx.device, weights=weights,
+                                                  server=server) for name in names}
         columns, notes = table_columns(names), []
     # --- every checkpoint (and the prompts and codec it needs) read and checked before the first
     #     image: each loaded on the CPU in turn and freed; the images below load it again
@@ -309,7 +313,7 @@ def main(argv=None):
 
 def cli(argv=None):
     """main() with failures said in one line on stderr, as train.py's (processes.cli)."""
-    return processes.cli(main, argv)
+    return processes.cli(main, argv, stops=(rewards.RewardFailed,))
 
 
 if __name__ == "__main__":

@@ -25,13 +25,13 @@ from PIL import Image
 
 import evaluate
 import mar
-import rewards
 import train
 from demo import pretrain, shapes, verifier
 from experiments import spatial
 from infra import processes
 from models import loading, vae
 from scorers import clip as clip_rewards
+from scorers import registry
 from tables import paper
 from tests.helpers import ADAPTER_PROMPTS as NOVA_PROMPTS
 from tests.test_train_adapters import DDPM, save_nova_pipeline
@@ -90,7 +90,7 @@ def save_tiny_hps(folder, name=TINY_CLIP, layers=2, seed=2):
 def tiny_hps(monkeypatch, name=TINY_CLIP):
     """`--reward hpsv2` builds HPS on the tiny open_clip architecture `name` (its real loading path)."""
     factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=name, **kw)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
+    monkeypatch.setitem(registry.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
 
 
 def table_flags(files, out, *ckpts, batch=3, reward="shapes,jpeg_incompressibility,hpsv2"):
@@ -143,8 +143,8 @@ def test_hps_is_printed_times_100_and_scores_are_the_rewards_of_the_pngs(table_r
     col = next(c for c in table["columns"] if c["key"] == "hpsv2")
     assert col["scale"] == 100.0 and col["label"] == "HPS v2 (×100)"
     tiny_hps(monkeypatch)
-    hps = rewards.build_reward("hpsv2", weights={"hpsv2": str(files / "HPS_tiny.pt")})
-    jpeg = rewards.build_reward("jpeg_incompressibility")
+    hps = registry.build_reward("hpsv2", weights={"hpsv2": str(files / "HPS_tiny.pt")})
+    jpeg = registry.build_reward("jpeg_incompressibility")
     for row in table["rows"]:
         scores = read_scores(out / row["name"])
         pngs = torch.stack([torch.from_numpy(read_png(out / row["name"] / s["file"])).permute(2, 0, 1) for s in scores])
@@ -196,7 +196,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
 
     model = loading.load_policy(args, str(files / "base.pt"))
     prompts = loading.load_prompts(args, model)
-    reward_fns = {"jpeg_incompressibility": rewards.build_reward("jpeg_incompressibility")}
+    reward_fns = {"jpeg_incompressibility": registry.build_reward("jpeg_incompressibility")}
     rows = evaluate.generate_and_score(args, Rank1(), model, vae.PixelCodec(), prompts, prompts.items, reward_fns,
                                        str(tmp_path / "r1" / "b"))
     assert [(r["prompt_index"], r["image_index"]) for r in rows] == [(1, 1)]  # batch 1 = job 3 alone
@@ -315,10 +315,10 @@ def test_failure_modes_and_the_partial_reward_on_hand_made_images(kind):
     image, meta = layout_images(kind)
     score, details = verifier.verify(image, meta)
     assert verifier.failure(details) == {"right": "correct"}.get(kind, kind)
-    partial, _ = rewards.build_reward("shapes_partial")(torch.from_numpy(image).permute(2, 0, 1)[None], [meta["prompt"]])
+    partial, _ = registry.build_reward("shapes_partial")(torch.from_numpy(image).permute(2, 0, 1)[None], [meta["prompt"]])
     want = {"right": 1.0, "wrong relation": 0.5, "missing object": 0.25, "wrong count": 0.25, "extra object": 0.5}[kind]
     assert partial.item() == pytest.approx(want)
-    empty, _ = rewards.build_reward("shapes_partial")(torch.zeros(1, 3, 16, 16), [meta["prompt"]])
+    empty, _ = registry.build_reward("shapes_partial")(torch.zeros(1, 3, 16, 16), [meta["prompt"]])
     assert empty.item() == 0.0 < partial.item()  # a partly right image is paid more than an empty one
 
 
@@ -365,7 +365,7 @@ def test_each_model_is_scored_at_its_best_tau_and_the_gain_is_against_the_bases_
     ctx = processes.Ctx(args)
     prompts = loading.load_prompts(args, None)
     splits = {"heldout": prompts.eval_items(8, 0, "heldout"), "train": prompts.eval_items(8, 0, "train")}
-    report = {tag: evaluate.sweep_splits(args, ctx, m, None, prompts, splits, {"shapes": rewards.build_reward("shapes")},
+    report = {tag: evaluate.sweep_splits(args, ctx, m, None, prompts, splits, {"shapes": registry.build_reward("shapes")},
                                          str(tmp_path / tag), [0.1, 0.2, 0.5, 1.0])
               for tag, m in (("base", base), ("tuned", tuned))}
     assert report["base"]["best"] == {"temperature": 0.2, "cfg": None}
@@ -431,7 +431,7 @@ def test_train_pys_report_with_guidance_weights_includes_the_runs_own(tmp_path, 
                              "--eval-temperatures", "0.5,1"])
     ctx = processes.Ctx(args)
     report = evaluate.base_and_tuned(args, ctx, base, tuned, None, loading.load_prompts(args, None),
-                                     rewards.build_reward("shapes"))
+                                     registry.build_reward("shapes"))
     assert {c["cfg"] for c in report["base"]["cells"]} == {1.0, 2.0, 3.0}
     assert f"at τ {args.temperature:g}, w 3" in capsys.readouterr().out
     assert (tmp_path / "eval" / "base_vs_tuned.png").exists()

@@ -21,10 +21,11 @@ import evaluate
 import mar
 import rewards
 import train
-from demo import pretrain
+from demo import pretrain, verifier
 from experiments import lab
 from infra import checkpoints
 from models import loading
+from scorers import clip, registry
 from tests.helpers import ENV, TRAIN, cli, grpo_flags, load, metrics, snapshot
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
@@ -147,8 +148,8 @@ def test_mismatched_reward_weights(tmp_path, smoke_base, capsys, monkeypatch):
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(tmp_path)
     torch.save(open_clip.create_model("reliability-wide", pretrained=None).state_dict(), tmp_path / "wide.pt")
-    tiny_hps = functools.partial(rewards.HPSv2Reward, model_name="reliability-tiny")
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (tiny_hps, ("hpsv2",), set()))
+    tiny_hps = functools.partial(clip.HPSv2Reward, model_name="reliability-tiny")
+    monkeypatch.setitem(registry.REWARDS, "hpsv2", (tiny_hps, ("hpsv2",), set()))
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--reward", "hpsv2", "--reward-ckpt", f"hpsv2={tmp_path}/wide.pt"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -243,14 +244,14 @@ def test_max_bad_steps_stops_with_the_last_good_checkpoint(tmp_path, smoke_base,
 # A failing reward is reported, not swallowed
 
 def test_failing_reward_names_the_reward_and_the_prompts(tmp_path, smoke_base, capsys, monkeypatch):
-    seen, real = [], rewards.ShapesReward.score
+    seen, real = [], verifier.ShapesReward.score
 
     def flaky(self, images, prompts, metadata):
         seen.append(list(prompts))
         if len(seen) == 2:
             raise RuntimeError("verifier exploded")
         return real(self, images, prompts, metadata)
-    monkeypatch.setattr(rewards.ShapesReward, "score", flaky)
+    monkeypatch.setattr(verifier.ShapesReward, "score", flaky)
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "3", "--save-every", "1"))
     assert code == 1

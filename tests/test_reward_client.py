@@ -18,7 +18,7 @@ import pytest
 
 import rewards
 from infra import processes
-from scorers import auth, remote, server, wire
+from scorers import auth, registry, remote, server, wire
 from tables import paper
 from tests.helpers import cli, grpo_flags
 from tests.test_reward_server import shapes_batch
@@ -104,7 +104,7 @@ def assert_one_line(text, url=None):
 
 
 def served(url, timeout=5.0, retries=0):
-    return rewards.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=timeout,
+    return registry.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=timeout,
                                                       retries=retries))
 
 
