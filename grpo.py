@@ -232,25 +232,26 @@ def ar_step_objective(pi_term, keep, kl, beta):
     return -(p - beta * k), p.detach(), k.detach()
 
 
-def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0):
+def choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator, below=0):
     """Which AR steps and diffusion steps a rollout records (docs/method.md §3: per chosen AR
     step the canvas, U_i, P_i, the head's transitions on U_i and the previews), before it starts.
 
-    num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
-    diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them; below: if > 0,
-    the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not in the paper: the
-    first steps, which place the objects; 0 draws from all N, as released).
+    num_ar_steps: the rollout's AR steps N; n_trained: how many of them to train (all if >= N);
+    trainable: the recordable diffusion steps (`diffloss.trainable_steps(T)`); n_diff: how many of
+    them; below: if > 0, the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not
+    in the paper: the first steps, which place the objects; 0 draws from all N, as released).
     returns (sorted list of AR steps, descending list of diffusion steps); the draws happen on the
     generator's device (a CUDA generator works), and reading them back is one host sync.
     """
     device = generator.device
-    pool = min(below, num_iter) if below > 0 else num_iter
-    ar = torch.randperm(pool, generator=generator, device=device)[:min(num_ar, pool)].sort().values
+    pool = min(below, num_ar_steps) if below > 0 else num_ar_steps
+    ar = torch.randperm(pool, generator=generator, device=device)[:min(n_trained, pool)]
+    ar = ar.sort().values
     trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
     pick = torch.randperm(len(trainable), generator=generator,
-                          device=device)[:min(num_diff, len(trainable))]
+                          device=device)[:min(n_diff, len(trainable))]
     both = torch.cat([ar, trainable[pick].sort(descending=True).values]).tolist()
     return both[:len(ar)], both[len(ar):]
 

@@ -36,7 +36,6 @@ imported (experiments/study.py and spatial.py import it), and the command that r
   only, the steps that place the objects.
 """
 
-import functools
 import os
 import sys
 
@@ -115,13 +114,20 @@ def lab_flags(p):
                    help="the update's loss: grpo, or raft (the supervised control of experiments/raft.py; not in the paper)")
 
 
-LAB = [("the lab (experiments/lab.py)", lab_flags)]  # train.py's parser, extended
+def make_loss(model, args):
+    """The update's loss module of --loss: train.py's GRPO loss, or RAFT's supervised control."""
+    return raft.RAFTLoss(model, args.group_size) if args.loss == "raft" else train.PolicyLoss(model)
 
 
-def hooks(args):
-    """grpo_train's keyword arguments for the lab's flags: the loss module and how steps are chosen."""
-    loss = {"grpo": train.PolicyLoss, "raft": lambda model: raft.RAFTLoss(model, args.group_size)}[args.loss]
-    return dict(make_loss=loss, choose_steps=functools.partial(grpo.choose_train_steps, below=args.train_ar_below))
+def choose_steps(args, num_ar_steps, n_trained, trainable, n_diff, generator):
+    """A rollout's trained steps, its AR steps drawn from the first --train-ar-below ones (0: all)."""
+    return grpo.choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator,
+                                   below=args.train_ar_below)
+
+
+# what the lab adds to train.py, given once to train.main: its flags, loss and choice of steps
+LAB = train.Extensions(flag_groups=(("the lab (experiments/lab.py)", lab_flags),), make_loss=make_loss,
+                       choose_steps=choose_steps)
 
 
 def parse_args(argv):
@@ -140,7 +146,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--pretrain"]:
         return processes.cli(pretrain.main, argv[1:])
-    return train.cli(argv, LAB, hooks)
+    return train.cli(argv, LAB)
 
 
 if __name__ == "__main__":

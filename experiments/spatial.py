@@ -294,7 +294,8 @@ def run_summary(run, block=20):
     grad = np.array([r["grad_norm"] for r in rows])
     res = dict(steps=len(rows), reward_blocks=blocks("reward_mean"), grad_norm_mean=float(grad.mean()),
                grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
-               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r.get("t_mte", 0.0) + r["t_update"]
+                                     for r in rows])))
     if "reward/shapes_coverage" in rows[0]:
         res["verifier_blocks"] = blocks("reward/shapes")
     if os.path.exists(os.path.join(run, "eval", "summary.json")):

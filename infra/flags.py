@@ -1,23 +1,27 @@
-"""The flags a run shares with evaluate.py, the named presets, and how flags are parsed and checked.
+"""The flags a run shares with the paper's table, the named presets, how a run's flags are parsed
+(`parse_run_args`) and how they are checked (`check_run_inputs`, `check_model_inputs`).
 
 train.py holds the paper's settings (its `paper_flags`: the objective, the GRPO loop, the reward)
-and adds them to the groups of this file: the sampling of a rollout (shared with evaluate.py, which
-samples too), the model and its weights, scale, the run, the evaluation, the reward service. A
-setting's value is its flag's default, replaced by the --preset's (`PRESETS`), then by the --method's
-variant (grpo.METHODS, train.py), then by a flag given on the command line.
+and adds them to the groups of this file: the sampling of a rollout (shared with the table of
+tables/paper.py, which samples too), the model and its weights, scale, the run, the evaluation, the
+reward service. A setting's value is its flag's default, replaced by the --preset's (`PRESETS`),
+then by the --method's variant (grpo.METHODS, given by train.py), then by a flag given on the
+command line.
 
 Checks happen in two places: a single flag's range and finiteness when it is parsed (`number`),
-cross-flag rules and files in `check_model_inputs` (here: what train.py and evaluate.py check
-alike) and train.check_inputs; a bad one raises a one-line ValueError / FileNotFoundError /
+cross-flag rules and files in `check_run_inputs` (train.py's) and `check_model_inputs` (what train.py
+and the table check alike); a bad one raises a one-line ValueError / FileNotFoundError /
 PermissionError naming the flag, which processes.cli prints as `error: ...` with exit status 2.
-This file imports only the root's reward interface and infra/: the prompt files are parsed by
-models/loading.py, the reward server's address by scorers/remote.py, both before anything is written.
+This file imports only infra/: the reward flags are checked by scorers/registry.py, the prompt files
+parsed by models/loading.py, the reward server's address by scorers/remote.py, all before anything
+is written.
 """
 
 import argparse
 import importlib.util
 import math
 import os
+import sys
 
 from infra import checkpoints
 from infra.processes import Parser
@@ -111,7 +115,7 @@ def POS_FLOATS(text):  # noqa: N802  (an argparse type, as the others)
 
 
 # -----------------------------------------------------------------------------
-# The groups train.py and evaluate.py share
+# The groups train.py and the table (tables/paper.py) share
 
 def sampling_flags(p):
     """How a rollout samples (docs/method.md §1): what train.py's rollouts and evaluate.py's images use."""
@@ -244,8 +248,66 @@ def given(argv, parser):
     return {a.dest for a in parser._actions if words & set(a.option_strings)}
 
 
+def parse_run_args(p, argv, methods):
+    """A training run's flags (train.py's parser `p`; argv None: the command line's): the flags given
+    over the --method's variant (`methods`, grpo.METHODS: the fields each changes) over the --preset's
+    defaults over the parser's; no --out is runs/<preset>, and a run that torchrun relaunched after a
+    failure continues (--resume auto). Returns the argparse.Namespace."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args, preset = parse_with_preset(p, PRESETS, argv)
+    written = given(argv, p)
+    for name, value in methods[args.method].items():
+        if name not in written:  # the variant's, unless its own flag was given
+            setattr(args, name, value)
+    args.out = args.out or os.path.join("runs", preset)
+    if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        args.resume = "auto"  # torchrun relaunched the job after a failure: continue it
+    return args
+
+
+def check_run_inputs(args, world, train_head):
+    """train.py's cross-flag rules and files, before any work, then `check_model_inputs` and the
+    --resume checkpoint: a bad one raises a one-line ValueError / FileNotFoundError / PermissionError
+    naming it. Reads, never writes. world: the number of processes; train_head: the GRPO settings'
+    (whether the diffusion head trains)."""
+    if args.init is None:
+        raise ValueError("--init: give the base checkpoint to train or evaluate (a preset's, or "
+                         "one of python -m demo.pretrain)")
+    if not os.path.exists(args.init):
+        raise FileNotFoundError(f"--init: no such file: {args.init}")
+    if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own steps: train.grpo_train
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below "
+                         f"T − 1 = {args.num_sampling_steps - 1}")
+    for flag, value in (("--lora", args.lora), ("--fsdp", args.fsdp)):
+        if value and args.eval_only:
+            raise ValueError(f"{flag}: changes how GRPO trains; --eval-only trains no GRPO policy")
+    if args.lora and train_head:
+        raise ValueError(f"--lora {args.lora}: the diffusion head stays frozen under LoRA (drop "
+                         "--train-head; --method grpo trains the head)")
+    if args.fsdp and world < 2:
+        raise ValueError("--fsdp: shards over the processes of torchrun; with one there is nothing "
+                         "to shard (torchrun --nproc_per_node=N train.py ..., N >= 2)")
+    if args.fsdp and (train_head or args.lora):
+        why = ("a trained head is not sharded (drop --train-head / --method grpo, or --fsdp)"
+               if train_head else
+               "--lora trains its adapters alone, too small to shard: use --lora without --fsdp")
+        raise ValueError(f"--fsdp: shards the transformer's trained weights; {why}")
+    if args.prompts_per_step % (world * args.grad_accum):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world "
+                         f"size {world} × --grad-accum {args.grad_accum} (each prompt's group is "
+                         "generated in one micro-batch)")
+    check_model_inputs(args)
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    again = " (--resume auto starts fresh if none)"
+    if args.resume == "yes" and not checkpoints.checkpoint_names(ckpt_dir):
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}{again}")
+    readable = checkpoints.newest_training_state(ckpt_dir, lambda message: None, mmap=True)
+    if args.resume == "yes" and readable is None:
+        raise ValueError(f"--resume: no checkpoint in {ckpt_dir} can be read{again}")
+
+
 def check_model_inputs(args, scores_reward=True):
-    """What train.py and evaluate.py check alike, before anything is loaded: the model's files exist,
+    """What train.py and the table (tables/paper.py) check alike, before anything is loaded: the model's files exist,
     the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, a reward
     server is named only by a run that scores a --reward (`scores_reward`) and its token file exists,
     and --out is writable. (scorers/registry.check_reward_flags checks the --reward spec and its weight

@@ -10,7 +10,7 @@ image encoder blocks. Peers train the same way: DDPO and Flow-GRPO (rank 32) fin
 
 What this file decides, and why:
 1. Only A and B train. Every weight of the model stays frozen, the diffusion head among them, as
-   MAR-GRPO wants it (flags.check_inputs refuses --lora with a trained head).
+   MAR-GRPO wants it (flags.check_run_inputs refuses --lora with a trained head).
 2. B starts at zero (peft's default), so at initialisation the policy computes exactly what its base
    computes: the same z, samples and recorded ℓ, bit for bit (adding B A x = 0 changes no value).
    A is drawn (kaiming-uniform, peft's choice) from a generator seeded by --seed, not from the

@@ -286,15 +286,16 @@ def assert_grads_match(g_code, g_hand, named, what):
                      f"{len(named)} parameters (max |Δ| / max |∇L|): {bad[:6]}")
 
 
-def code_objective(case, policy_model, gc, olds=None):
-    """−mean_i of the code's per-step losses (the mean is pinned by the backward_rollout tests)."""
-    losses, new_olds = [], []
+def code_objective(case, policy_model, gc, old_logp=None):
+    """−mean_i of the code's per-step losses (the mean is pinned by the backward_rollout tests) and
+    each step's ℓ_old for later epochs."""
+    losses, kept_old_logp = [], []
     for j in range(len(case.view["steps"])):
         loss, old = step_loss(policy_model, case.ref, case.record, j, case.condition, ADV, gc, case.mte_in,
-                              None if olds is None else olds[j])
+                              None if old_logp is None else old_logp[j])
         losses.append(loss)
-        new_olds.append(old)
-    return torch.stack(losses), new_olds
+        kept_old_logp.append(old)
+    return torch.stack(losses), kept_old_logp
 
 
 def step_table(code_losses, parts):
@@ -371,11 +372,11 @@ def test_later_ppo_epoch_value_and_gradient_match_hand_computation(case):
     trajectories, ℓ_old from the first epoch, PPO clipping binding on some kept elements."""
     eps, kl = 0.2, "k3"
     gc = gcfg(kl, inner_epochs=2, clip_eps=eps)
-    _, olds = code_objective(case, case.model, gc)  # first epoch, θ_old = the rollout policy
+    _, old_logp = code_objective(case, case.model, gc)  # first epoch, θ_old = the rollout policy
     moved = copy.deepcopy(case.model)
     perturb(moved, 0.02, torch.Generator().manual_seed(4))
     named = params_of(moved)
-    code_losses, _ = code_objective(case, moved, gc, olds)
+    code_losses, _ = code_objective(case, moved, gc, old_logp)
     L_hand, parts = hand_objective(moved, case.ref, case.view, case.traj, case.condition, ADV, BETA, kl, KAPPA,
                                    TOP_K, old_pol=case.model, clip_eps=eps)
     # the case is informative: ratios leave 1, and clipping binds on some kept elements, not all

@@ -23,7 +23,7 @@ import rewards
 import train
 from demo import pretrain, verifier
 from experiments import lab
-from infra import checkpoints
+from infra import checkpoints, flags
 from models import loading
 from scorers import clip, registry
 from tests.helpers import ENV, TRAIN, cli, grpo_flags, load, metrics, snapshot
@@ -135,8 +135,9 @@ def test_empty_out_is_one_line(capsys):
 def test_batch_that_does_not_divide_by_the_world_size():
     args = train.parse_args(["--preset", "smoke", "--prompts-per-step", "3"])
     with pytest.raises(ValueError, match=r"--prompts-per-step 3 must divide by the world size 2"):
-        train.check_inputs(args, world=2)
-    train.check_inputs(train.parse_args(["--preset", "smoke", "--prompts-per-step", "4", "--out", "/nonexistent/x"]), world=2)
+        flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
+    args = train.parse_args(["--preset", "smoke", "--prompts-per-step", "4", "--out", "/nonexistent/x"])
+    flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
 
 
 def test_mismatched_reward_weights(tmp_path, smoke_base, capsys, monkeypatch):
