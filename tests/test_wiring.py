@@ -160,7 +160,7 @@ def dense_view(record, tokens):
 
         def scatter(packed, fill):  # (K, B, n, C) packed on U_i -> (K, B, L, C)
             return torch.full((K, B, L, C), fill, dtype=packed.dtype).scatter(2, idx, packed)
-        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), pred=s.pred.bool(), w=float(s.cfg),
+        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), written=s.written.bool(), w=float(s.cfg),
                           k=[int(k) for k in s.diff_steps], x_t=scatter(s.x_t, 0.0), x_prev=scatter(s.x_prev, 0.0),
                           std=scatter(s.std, 1.0), logp=scatter(s.logp, 0.0), preview=s.preview,
                           preview_prev=s.preview_prev))
