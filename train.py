@@ -55,7 +55,7 @@ from scorers import registry
 # released values): a value is the default written here, replaced by the --preset's
 # (infra/flags.PRESETS: the released runs, the demo), then by the --method's variant
 # (grpo.METHODS), then by a flag given. How a rollout samples (N, T, guidance w and its schedule,
-# τ) is infra/flags.sampling_flags, which evaluate.py shares.
+# τ) is infra/flags.sampling_flags, which the paper's table shares.
 
 
 def paper_flags(p):

@@ -20,7 +20,7 @@ What this file decides, and why:
    with it and carries the adapters (`policy`), i.e. the same model with the adapters off. No
    second copy of any weight is held.
 5. A checkpoint holds A and B (and their optimizer state) with their settings (`settings`) and the
-   path of their base: train.py resumes from it, and --init and evaluate.py read it as its base with
+   path of their base: train.py resumes from it, and --init and the paper's table read it as its base with
    the adapters on (models/loading.load_policy). `merged_state_dict` adds (α / R) B A into each
    wrapped weight, for a whole checkpoint other tools can read (models/merge_lora.py); its samples
    equal the adapters' up to float rounding: W + B A is summed before the product with x instead of

@@ -1,6 +1,6 @@
 """The reward server's client: a rewards.Reward whose component scores come from `python -m
 scorers.server` (scorers/server.py), summed with the spec's weights here exactly as
-rewards.WeightedSum sums them in-process. train.py and evaluate.py build it with
+rewards.WeightedSum sums them in-process. train.py and the paper's table build it with
 `registry.build_reward(spec, server=settings(args))` (scorers/registry.py) when `--reward-url URL` is given.
 
 Each call sends the batch once (scorers/wire.py: the 8-bit pixels as NPY, the prompts and each

@@ -129,14 +129,14 @@ def test_checkpoints_hold_the_adapters_and_resume_bit_for_bit(lora_run, tmp_path
 def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, tmp_path, capsys):
     """The adapters' checkpoint loads (loading.load_policy) as its base with the adapters on; merged
     into a whole checkpoint (models/merge_lora.py) it samples the same images up to float rounding;
-    --eval-only and evaluate.py take both."""
+    --eval-only and the paper's table take both."""
     (lora_run, base_path), merged = lora_run, tmp_path / "merged.pt"
     path = lora_run / "ckpt" / "latest.pt"
     assert merge_lora.main([str(path), str(merged)]) is None
     args = train.parse_args(["--preset", "smoke"])
     ckpt = load(path)
     base = loading.load_policy(args, str(base_path))
-    adapters = loading.load_policy(args, str(path))  # what --init and evaluate.py load from the adapters
+    adapters = loading.load_policy(args, str(path))  # what --init and the paper's table load from the adapters
     assert lora.settings(adapters) == ckpt["lora"]
     assert all(torch.equal(dict(adapters.named_parameters())[k], v) for k, v in ckpt["model"].items())
     whole = loading.load_policy(args, str(merged))  # ... and from the merged checkpoint

@@ -337,7 +337,7 @@ def test_a_malformed_token_is_named_never_shown(tmp_path, monkeypatch, capsys):
 
 def test_a_run_stops_in_one_line_on_a_hostile_server_and_a_malformed_token(smoke_base, tmp_path,
                                                                             capsys, monkeypatch):
-    """train.py and evaluate.py: one 'error:' line, no token, no traceback, no forged line."""
+    """train.py and the paper's table: one 'error:' line, no token, no traceback, no forged line."""
     monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
     with scripted(http(418, json.dumps({"error": NASTY}).encode())) as url:
         code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "run", "--steps", "1",

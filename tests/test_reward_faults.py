@@ -1,7 +1,7 @@
 """The faults a network brings to a run scored by a reward server, each with a real server on the
 loopback address (`python -m scorers.server` in its own process, stopped by its process id): killed
 mid-run (then --resume), hanging, restarted between steps, shared by two torchrun ranks and a
-second run; served runs and evaluate.py's table equal to those in process; the load benchmark.
+second run; served runs and the paper's table equal to those in process; the load benchmark.
 docs/faults.md ("The reward server") lists the cases."""
 
 import os
