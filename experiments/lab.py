@@ -1,5 +1,7 @@
-"""What the lab adds to train.py and to the demo's pretraining, registered when this module is
-imported (experiments/study.py and spatial.py import it), and the command that runs them with it:
+"""What the lab adds to train.py and to the demo's pretraining, and the command that runs them with it:
+its presets and rewards are registered when this module is imported (experiments/study.py and
+spatial.py import it), its flags, loss and choice of trained steps are `LAB` (a train.Extensions),
+which it gives train.py once:
 
     python -m experiments.lab FLAGS               # train.py with FLAGS and the lab's presets, rewards and flags
     python -m experiments.lab --pretrain FLAGS    # python -m demo.pretrain with the lab's pretraining presets
@@ -33,7 +35,8 @@ imported (experiments/study.py and spatial.py import it), and the command that r
 - the rewards shapes_coverage (a deliberately hackable proxy) and shapes_relation (the relation,
   scored strictly);
 - the flag --train-ar-below N (not in the paper): the trained AR steps are drawn from the first N
-  only, the steps that place the objects.
+  only, the steps that place the objects; and --loss raft, the supervised control of
+  experiments/raft.py.
 """
 
 import os

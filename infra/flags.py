@@ -255,9 +255,9 @@ def parse_run_args(p, argv, methods):
     failure continues (--resume auto). Returns the argparse.Namespace."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args, preset = parse_with_preset(p, PRESETS, argv)
-    written = given(argv, p)
+    on_command_line = given(argv, p)
     for name, value in methods[args.method].items():
-        if name not in written:  # the variant's, unless its own flag was given
+        if name not in on_command_line:  # the variant's, unless its own flag was given
             setattr(args, name, value)
     args.out = args.out or os.path.join("runs", preset)
     if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
