@@ -1,43 +1,13 @@
-"""The diffusion head of MAR ("Diffusion Loss"), and the per-element log-probability of its
-sampling transitions (docs/method.md §1, the head's T-step ancestral DDPM written out below;
-§2, ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π; §10, the official respacing: keep
-round(linspace(0, 999, T)) of the 1000 cosine-schedule steps).
-
-Sources: "official" is GitHub `LTH14/mar@fe470ac`: models/diffloss.py (the head) and diffusion/
-(gaussian_diffusion.py and respace.py: the schedule, the reverse step, the training loss).
-"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`, whose trainers
-src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py choose the
-diffusion steps that train (`trainable_steps`).
-
-A token x ∈ R^C is generated from a condition vector z ∈ R^D by T-step ancestral DDPM sampling
-with a small MLP `SimpleMLPAdaLN` that predicts the noise ε and the interpolation v of the
-learned variance (improved-DDPM "learned range"):
+"""The diffusion head of MAR ("Diffusion Loss", docs/method.md §1; §10, the official respacing to
+T of the 1000 cosine-schedule steps): a small MLP turns a condition z ∈ R^D into a token x ∈ R^C by
+T-step ancestral DDPM, whose transitions' per-element log-probability is the policy's (§2):
 
     x^T ~ N(0, I)
     x^{t-1} = μ(x^t, t, z) + τ σ_t(x^t, t, z) ε,     ε ~ N(0, I),  no noise at the last step
     μ = c1_t · x̂0 + c2_t · x^t,   x̂0 = (x^t − √(1−ᾱ_t) ε̂) / √ᾱ_t
     log σ_t² = (v+1)/2 · log β_t + (1 − (v+1)/2) · log β̃_t     (β̃: posterior variance)
-
-With classifier-free guidance the net runs on [z_cond; z_null] and only the ε channels are mixed,
-ε̂ = ε_u + w (ε_c − ε_u); the variance channels stay those of the conditional row, as in the
-official code. The policy log-probability of one transition, per element (docs/method.md §2), is
-
-    ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,     s = τ σ_t
-                                                          (s taken from the rollout)
-
-Where this file departs from what one might expect:
-1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
-   respaced as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), float64 -> float32
-   buffers.
-2. x^T is *not* scaled by τ: the official code scales only the per-step noise (the paper's
-   N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no
-   log-probability.
-3. With CFG, `x_t` has the N guided rows and `z` 2N rows [cond; null] (the official first half).
-4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
-   RL trains only steps 1 … T−2 (`trainable_steps`).
-5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1] (1/√α ≈ 1300 at the pure-noise
-   step, T = 25: a briefly trained head samples tokens of size ~800); the small (pixel) models
-   clamp.
+    ε̂ = ε_u + w (ε_c − ε_u)                                  (guidance: the ε channels only)
+    ℓ = −(x^{t-1} − μ)² / (2 s²) − log s − ½ log 2π,        s = τ σ_t (taken from the rollout)
 """
 
 import math
@@ -384,7 +354,8 @@ def reverse_sample(head, z, channels, temperature=1.0, cfg=1.0, generator=None, 
 
     z: (N, D), or (2N, D) = [cond; null] when guided (cfg a tensor or cfg != 1; the official layout:
        the two halves share their noise); channels: C, the token size; temperature: τ scales each
-       step's noise std (x^T is N(0, I): module docstring, item 2); cfg: w, a float or (N,) tensor;
+       step's noise std (x^T is N(0, I): the notes at the end, item 2); cfg: w, a float or (N,)
+       tensor;
     record_steps: optional sampling-step indices k in `head.trainable_steps()` (ints, or a tensor)
        whose transitions x^k → x^{k−1} are recorded for log-probability recomputation;
     x_T, noise: given draws instead of the generator's, x_T (N, C) and {k: (N, C)} per noisy step.
@@ -448,3 +419,33 @@ def transition_mean(head, x_t, steps, z, z_null, w, checkpoint_head=True):
                        preserve_rng_state=False)
             if store else mean_at(x_t[j].reshape(n, C), z_rows, steps[j]) for j in range(K)]
     return torch.stack(mean).reshape(x_t.shape)
+
+
+# -----------------------------------------------------------------------------
+# Notes: the official head, and where this file departs from what one might expect
+#
+# Sources: "official" is GitHub `LTH14/mar@fe470ac`: models/diffloss.py (the head) and diffusion/
+# (gaussian_diffusion.py and respace.py: the schedule, the reverse step, the training loss).
+# "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`, whose trainers
+# src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py choose the
+# diffusion steps that train (`trainable_steps`).
+#
+# The head's MLP, `SimpleMLPAdaLN`, predicts the noise ε and the interpolation v of the learned
+# variance (improved-DDPM "learned range"). The respacing is the official one (docs/method.md §10):
+# keep round(linspace(0, 999, T)) of the 1000 cosine-schedule steps. With classifier-free guidance
+# the net runs on [z_cond; z_null] and only the ε channels are mixed; the variance channels stay
+# those of the conditional row, as in the official code.
+#
+# Where this file departs from what one might expect:
+# 1. The schedule arrays come from diffusers' `DDPMScheduler` (cosine, 1000 steps, "linspace"),
+#    respaced as the official code (β_k = 1 − ᾱ_{t_k} / ᾱ_{t_{k-1}}), float64 -> float32
+#    buffers.
+# 2. x^T is *not* scaled by τ: the official code scales only the per-step noise (the paper's
+#    N(0, τ² I) would; official checkpoints are calibrated to the code). x^T enters no
+#    log-probability.
+# 3. With CFG, `x_t` has the N guided rows and `z` 2N rows [cond; null] (the official first half).
+# 4. Steps are indexed k = 0 … T−1 (k = T−1 pure noise); the net sees the original timestep t_k.
+#    RL trains only steps 1 … T−2 (`trainable_steps`).
+# 5. `clip_denoised` (off, as official) clamps x̂0 to [-1, 1] (1/√α ≈ 1300 at the pure-noise
+#    step, T = 25: a briefly trained head samples tokens of size ~800); the small (pixel) models
+#    clamp.

@@ -1,12 +1,12 @@
-"""Evaluation: images for prompts with fixed seeds, scored; each model at its best sampling
-temperature; the paper's tables.
+"""Evaluation: images for prompts at fixed seeds, scored, and each model at its best sampling
+temperature (train.py's before/after report, --eval-only, the lab's sweeps, the paper's tables).
 
 One loop, `generate_and_score`, makes and scores every evaluation image (train.py's before/after
-evaluation, --eval-only, the table), through rollout.record_rollout with nothing recorded: the
-same loop and noise for MAR, Harmon and NOVA. Batch b of the (prompt, image) list is drawn from a
-generator seeded by (--seed, the evaluation's seed stage, b) on rank b mod world: an image depends
-on the seed, the batch size and the device type, never on the checkpoint, the temperature or the
-number of processes, so every model and temperature is scored on the same noise.
+evaluation, --eval-only, the table of tables/paper.py), through rollout.record_rollout with nothing
+recorded: the same loop and noise for MAR, Harmon and NOVA. Batch b of the (prompt, image) list is
+drawn from a generator seeded by (--seed, the evaluation's seed stage, b) on rank b mod world: an
+image depends on the seed, the batch size and the device type, never on the checkpoint, the
+temperature or the number of processes, so every model and temperature is scored on the same noise.
 
 A lower sampling temperature τ sharpens a model, dropping low-probability modes, which is much of
 what a short RL run does (experiments/study.md). So models are compared each at its best τ:
@@ -16,34 +16,11 @@ a gain is the tuned model's reported split at its best τ minus its base's at th
 (`gain_at_best`). In the shapes world: chosen on the training split (fresh seeds), reported held
 out, by the strict accuracy (every check passes), a share of all images, with how images fail
 beside it (`summarize`).
-
-The paper's table (`python evaluate.py --help`):
-
-    python evaluate.py --ckpt base=PATH --ckpt tuned=PATH --prompts FILE --images-per-prompt 4 \\
-        --seed 0 --reward hpsv2,imagereward,pickscore --reward-ckpt hpsv2=... --out DIR [flags]
-        [--sweep --eval-temperatures 0.1,0.2,0.3,0.5,0.7,1 --choose-prompts TRAIN_FILE]
-
-writes DIR/NAME/images/*.png and DIR/NAME/scores.jsonl (a line per image: prompt, indices, file, a
-raw score per reward, the verifier's checks for shapes prompts), DIR/table.md and table.json (rows:
-checkpoints; columns: rewards as the papers print them, "mean ± SEM"). With --sweep the rows are
-each checkpoint at --temperature and at its best τ (chosen on --choose-prompts), with the gain over
-the first at its own best; DIR/sweep.md holds every cell. The sampling, model, processes,
-evaluation and reward-service flags are train.py's (infra/flags.py). With --compbench (and the
-released prompt records of AMAP-ML/mar-grpo@fcb7969 as --prompts: infra/prompt_records.py) the
-columns are T2I-CompBench's categories (scorers/compbench.py).
-
-Where the table departs from what the papers state (besides seeds per batch, above):
-1. The SEM is over images (n = prompts × images per prompt), std(ddof=1) / sqrt(n); images of one
-   prompt are not independent, so it understates the spread over prompt sets.
-2. Under torchrun each rank writes its own PNGs (DIR must be one shared folder, as in DiT's
-   sample_ddp.py); the scores are gathered and rank 0 writes the rest.
 """
 
-import importlib
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import torch
@@ -54,8 +31,7 @@ from tqdm import tqdm
 import rewards
 import rollout
 from demo import verifier
-from infra import figures, flags, processes, prompt_records, tables
-from models import loading
+from infra import figures, processes
 
 SEED_STAGE = processes.SEED_STAGES["evaluation"]  # seeded(device, --seed, SEED_STAGE, batch)
 SHAPES_CATEGORIES = ("single", "two_objects", "counting", "spatial")  # demo/shapes.py's
@@ -130,48 +106,33 @@ def generate_and_score(args, ctx, model, codec, prompts, items, reward_fns, out_
 # What the rows say: strict accuracy and how images fail, a share of all images
 
 def summarize(rows, reward_names=()):
-    """A split's figures from generate_and_score's rows: n, the mean of every reward of
+    """A split's figures from generate_and_score's rows: n, the mean ± SEM of every reward of
     `reward_names`; for shapes prompts the strict accuracy (a share of all images), the share of
-    each failure mode, the accuracy per category and, for spatial prompts, the share of all spatial
-    images whose two objects are each drawn once with the relation right ("relation_right"), the
-    images with both objects drawn ("both") and the relation's rate among them
-    ("relation_given_both", the conditional rate, never a headline alone)."""
+    each failure mode and the accuracy per category. (The spatial study's figures, relation and
+    pass@k, extend it: experiments/spatial.spatial_summary.)"""
     out = {"n": len(rows)}
     for name in reward_names:
-        cell = tables.mean_sem([r[name] for r in rows])
-        out.update({name: cell["mean"], f"{name}_sem": cell["sem"]})
+        figure = mean_sem([r[name] for r in rows])
+        out.update({name: figure["mean"], f"{name}_sem": figure["sem"]})
     checked = [r for r in rows if "details" in r]
     if not checked:
         return out
     modes = [verifier.failure(r["details"]) for r in checked]
     out["accuracy"] = float(np.mean([r["details"]["correct"] for r in checked]))
-    per_prompt = {}
-    for r in checked:
-        per_prompt.setdefault(r["prompt_index"], []).append(bool(r["details"]["correct"]))
-    if len({len(v) for v in per_prompt.values()}) == 1 and len(next(iter(per_prompt.values()))) > 1:
-        n = len(next(iter(per_prompt.values())))  # images per prompt: pass@k for k = 1 … n
-        out["pass_at"] = {k: float(np.mean([pass_at(n, sum(v), k) for v in per_prompt.values()]))
-                          for k in range(1, n + 1)}
     out["failures"] = {mode: modes.count(mode) / len(checked) for mode in verifier.FAILURES}
     for cat in SHAPES_CATEGORIES:
         sel = [r for r in checked if r["category"] == cat]
         if sel:
             out[f"accuracy/{cat}"] = float(np.mean([r["details"]["correct"] for r in sel]))
-    spatial = [r["details"] for r in checked if r["category"] == "spatial"]
-    if spatial:
-        both = [d for d in spatial if d["present"]]
-        right = [d["relation"] is True for d in both]
-        right_once = [d["count"] and d["relation"] is True for d in spatial]
-        out.update(spatial_n=len(spatial), both=len(both),
-                   relation_right=float(np.mean(right_once)),
-                   relation_given_both=float(np.mean(right)) if both else 0.0)
     return out
 
 
-def pass_at(n, c, k):
-    """The unbiased pass@k of n images of a prompt, c of them correct: 1 − C(n−c, k) / C(n, k),
-    the chance that k images drawn from the n hold a correct one (what sampling reaches at all)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+def mean_sem(values):
+    """{"mean", "sem", "n"}: the mean and its standard error std(ddof=1) / sqrt(n) (None for
+    n = 1)."""
+    x = np.asarray(values, dtype=np.float64)  # (n,)
+    sem = float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
+    return {"mean": float(x.mean()), "sem": sem, "n": len(x)}
 
 
 def binomial_sem(p, n):
@@ -225,15 +186,16 @@ def gain_at_best(base, tuned, split, key="accuracy"):
 
 
 def sweep_splits(args, ctx, model, codec, prompts, splits, reward_fns, out_dir, temperatures,
-                 cfgs=(None,), choose_on="train"):
+                 cfgs=(None,), choose_on="train", summary=summarize):
     """temperature_sweep of `model` over `splits` ({name: items}), each setting's images and scores
-    in out_dir/tau<τ>[_cfg<w>]/<split>/, the best chosen by the strict accuracy (shapes prompts) or
-    else the first reward's mean. Returns the sweep (every rank)."""
+    in out_dir/tau<τ>[_cfg<w>]/<split>/, summarised by `summary(rows, reward names)` (a study's
+    may add figures), the best chosen by the strict accuracy (shapes prompts) or else the first
+    reward's mean. Returns the sweep (every rank)."""
     def score(temperature, cfg):
         folder = os.path.join(out_dir, setting_folder(temperature, cfg))
-        return {split: summarize(generate_and_score(args, ctx, model, codec, prompts, items,
-                                                    reward_fns, os.path.join(folder, split),
-                                                    temperature, cfg), list(reward_fns))
+        return {split: summary(generate_and_score(args, ctx, model, codec, prompts, items,
+                                                  reward_fns, os.path.join(folder, split),
+                                                  temperature, cfg), list(reward_fns))
                 for split, items in splits.items()}
     return temperature_sweep(score, temperatures, cfgs, choose_on, ("accuracy", *reward_fns))
 
@@ -241,6 +203,12 @@ def sweep_splits(args, ctx, model, codec, prompts, splits, reward_fns, out_dir, 
 def setting_folder(temperature, cfg=None):
     """The folder of a sampling setting's images: tau0.3, or tau0.3_cfg3."""
     return f"tau{temperature:g}" + ("" if cfg is None else f"_cfg{cfg:g}")
+
+
+def setting_name(setting):
+    """'τ 0.3' or 'τ 0.3, w 3' of a {"temperature", "cfg"} setting."""
+    return f"τ {setting['temperature']:g}" + ("" if setting["cfg"] is None
+                                              else f", w {setting['cfg']:g}")
 
 
 def describe(summary, key):
@@ -265,9 +233,9 @@ def print_report(out, report, at_run):
     for split in [s for s in titles if any(c["split"] == s for c in base["cells"])]:
         what = key if key != "accuracy" else "strict accuracy (every check passes), of all images"
         print(f"\n{titles[split]}: {what}")
-        run_tau = tables.setting_name(at_run)
+        run_tau = setting_name(at_run)
         for name, sweep in (("base", base), ("tuned", tuned)):
-            best = tables.setting_name(sweep["best"])
+            best = setting_name(sweep["best"])
             print(f"  {name:<6} at {run_tau:<7} {describe(cell(sweep, split, at_run), key):<26}"
                   f"at its best, {best:<7} {describe(cell(sweep, split), key)}")
         at_run_gain = cell(tuned, split, at_run)[key] - cell(base, split, at_run)[key]
@@ -328,173 +296,3 @@ def eval_only(args, ctx, model, codec, prompts, reward_fn):
     scores = os.path.join(args.out, "scores.jsonl")
     ctx.print0(json.dumps(summary, indent=1) + f"\nscores: {scores}")
     return summary
-
-
-# -----------------------------------------------------------------------------
-# The paper's table: `python evaluate.py --ckpt NAME=PATH ... --reward hpsv2,imagereward,pickscore`
-
-def parse_table_args(argv=None):
-    """The table's flags (infra/tables.py) and the sampling, model, processes, evaluation and
-    reward-service flags it shares with train.py (infra/flags.py), over the --preset; checks the
-    inputs (`check_table_inputs`). Returns (the Namespace, the dests given on the command line)."""
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    groups = [("the table", tables.table_flags), flags.SAMPLING, flags.MODEL, flags.PROCESSES,
-              flags.EVALUATION, flags.REWARD_SERVICE]
-    p = flags.build_parser(groups, description=tables.DESCRIPTION, prog="evaluate.py")
-    preset = p.parse_known_args(argv)[0].preset  # the table's own defaults win over the preset's
-    own = tables.TABLE_DEFAULTS
-    p.set_defaults(**{k: v for k, v in flags.PRESETS[preset].items() if k not in own}, **own)
-    args = p.parse_args(argv)
-    if not args.out.strip():
-        raise ValueError("--out '': give the table's folder")
-    args.compbench_weights = compbench_module().parse_weights(args.compbench_ckpt, args.compbench)
-    args.ckpts = tables.parse_ckpts(args.ckpt)
-    args.init = args.ckpts[0][1]  # where loading.load_codec looks for NOVA's vae/ folder
-    check_table_inputs(args)
-    return args, flags.given(argv, p)
-
-
-def compbench_module():
-    """scorers/compbench.py, imported when the table needs it (it imports the T2I-CompBench
-    scorers)."""
-    return importlib.import_module("scorers.compbench")
-
-
-def check_table_inputs(args):
-    """Files and cross-flag rules, before anything is loaded or written: one-line errors naming
-    the flag."""
-    if args.compbench and not (args.prompts and prompt_records.is_record_file(args.prompts)):
-        raise ValueError("--compbench: give --prompts FILE.jsonl, the released prompt records "
-                         "(infra/prompt_records.py)")
-    if args.choose_prompts is not None and not args.sweep:
-        raise ValueError("--choose-prompts: belongs to a sweep; give --sweep too")
-    if args.sweep:
-        if args.compbench:
-            raise ValueError("--sweep: the T2I-CompBench table is scored at --temperature alone")
-        if args.choose_prompts is None and (args.model != "small" or args.prompts is not None):
-            raise ValueError("--sweep: give --choose-prompts FILE, the training prompts each "
-                             "checkpoint's best τ is chosen on")
-        if args.choose_prompts is not None and not os.path.isfile(args.choose_prompts):
-            raise FileNotFoundError(f"--choose-prompts: no such file: {args.choose_prompts}")
-    if not args.compbench and not args.reward:
-        raise ValueError("--reward: name the rewards the table scores (e.g. shapes, or "
-                         "hpsv2,pickscore)")
-    flags.check_model_inputs(args, None if args.compbench else tables.reward_names(args.reward))
-    loading.check_prompt_files(args)
-
-
-def load_checkpoint(args, name, path):
-    """The policy of `--ckpt name=path` on the CPU, frozen (loading.load_policy: a base, a GRPO
-    checkpoint over its base, or LoRA adapters on theirs); a bad file is one line naming --ckpt."""
-    try:
-        return loading.load_policy(args, path, f"--ckpt {name}").requires_grad_(False)
-    except (ValueError, FileNotFoundError) as e:  # "--ckpt NAME PATH: why" -> "--ckpt NAME=PATH"
-        raise type(e)(str(e).replace(f"--ckpt {name} {path}", f"--ckpt {name}={path}")) from None
-
-
-def choice_items(args, model, prompts):
-    """The prompts a sweep chooses each checkpoint's best τ on: --choose-prompts, or for the
-    shapes world the training split's prompts (as many as the evaluated ones)."""
-    if args.choose_prompts is not None:
-        return loading.load_prompts(args, model, args.choose_prompts, "--choose-prompts").items
-    return prompts.eval_items(args.eval_prompts, args.seed, "train")
-
-
-def sweep_rows(args, ctx, name, path, model, codec, prompts, items, reward_fns, columns):
-    """A checkpoint's table rows after a sweep: at --temperature and at its best τ (chosen on the
-    choice prompts), and its sweep (sweep.json's entry)."""
-    folder = os.path.join(args.out, name)
-    splits = {"train": choice_items(args, model, prompts), "eval": items}
-    sweep = sweep_splits(args, ctx, model, codec, prompts, splits, reward_fns, folder,
-                         args.eval_temperatures, args.eval_cfgs or (None,))
-    rows = []
-    for setting, label in (({"temperature": args.temperature, "cfg": None}, "at --temperature"),
-                           (sweep["best"], "its best")):
-        sub = os.path.join(folder, setting_folder(setting["temperature"], setting["cfg"]), "eval")
-        scored = [json.loads(line) for line in open(os.path.join(sub, "scores.jsonl"))]
-        rows.append({**tables.table_row(name, path, scored, columns),
-                     "sampling": f"{tables.setting_name(setting)} ({label})", "setting": setting})
-    return rows, sweep
-
-
-def main(argv=None):
-    """`python evaluate.py ...`: check the inputs, build the rewards, read and check every
-    checkpoint, then for each in turn load, generate, score and write; rank 0 writes and prints
-    the table. Returns the table dict (also DIR/table.json); an empty dict on ranks > 0."""
-    args, given = parse_table_args(argv)
-    if args.sweep:  # with the row at --temperature
-        args.eval_temperatures = sorted({*args.eval_temperatures, args.temperature})
-    ctx = processes.Ctx(args)
-    if args.compbench:  # one score per image, its category's (scorers/compbench.py)
-        compbench = compbench_module()
-        reward_fns = {"compbench": compbench.CompBench(args.compbench_weights, ctx.device)}
-        columns, notes = None, compbench.DEPARTURES
-    else:
-        weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-        names = tables.reward_names(args.reward)
-        server = rewards.server_settings(args)
-        reward_fns = {name: rewards.build_reward(name, device=ctx.device, weights=weights,
-                                                 server=server) for name in names}
-        columns, notes = tables.table_columns(names), []
-    # --- every checkpoint (and the prompts and codec it needs) read and checked before the first
-    #     image: each loaded on the CPU in turn and freed; the images below load it again
-    for k, (name, path) in enumerate(args.ckpts):
-        model = load_checkpoint(args, name, path)
-        loading.load_prompts(args, model)
-        if args.choose_prompts is not None:
-            loading.load_prompts(args, model, args.choose_prompts, "--choose-prompts")
-        if k == 0:  # the flags that describe the model say what the first checkpoint is
-            loading.describe(args, model, given)
-    codec = loading.load_codec(args, None, ctx.device)
-    table, sweeps = None, {}
-    for name, path in args.ckpts:
-        model = load_checkpoint(args, name, path).to(ctx.device)
-        prompts = loading.load_prompts(args, model)  # per model: Harmon's null prompt is set on it
-        items = prompts.eval_items(args.eval_prompts, args.seed)  # the file's, or held-out shapes
-        if args.compbench:  # GenEval's `object` records have no T2I-CompBench category
-            items = [it for it in items if it["task_type"] != "object"]
-            columns = columns or compbench.table_columns(items)
-        if table is None:
-            table = dict(columns=columns, notes=notes, rows=[], num_prompts=len(items),
-                         images_per_prompt=args.eval_images_per_prompt, seed=args.seed,
-                         batch_size=args.eval_batch_size, model=args.model, prompts=args.prompts,
-                         args={k: v for k, v in vars(args).items() if k != "ckpts"})
-        # --- generate and score; the row's mean ± SEM per column
-        if not args.sweep:
-            rows = generate_and_score(args, ctx, model, codec, prompts, items, reward_fns,
-                                      os.path.join(args.out, name))
-            row = tables.table_row(name, path, rows, columns)
-            table["rows"].append({**row, "model": model.config})
-        else:
-            rows, sweeps[name] = sweep_rows(args, ctx, name, path, model, codec, prompts, items,
-                                            reward_fns, columns)
-            table["rows"] += [{**row, "model": model.config} for row in rows]
-        del model  # before the next one is loaded
-    if sweeps:
-        first = args.ckpts[0][0]
-        table["notes"] = notes + [
-            f"{name}: {100 * gain_at_best(sweeps[first], s, 'eval', s['key']):+.1f} ({s['key']}, "
-            f"×100) over {first}, each at its best τ"
-            for name, s in sweeps.items() if name != first]
-        table["sweeps"] = sweeps
-    if not ctx.master:
-        return {}
-    with open(os.path.join(args.out, "table.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(tables.table_markdown(table))
-    if sweeps:
-        with open(os.path.join(args.out, "sweep.md"), "w") as f:
-            f.write(tables.sweep_markdown(sweeps))
-    print("\n" + tables.table_markdown(table) + f"\nfiles: {args.out}/ (table.md, table.json, "
-          "NAME/images/, NAME/scores.jsonl)")
-    return table
-
-
-def cli(argv=None):
-    """main() with failures said in one line on stderr, as train.py's (processes.cli)."""
-    return processes.cli(main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

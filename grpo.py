@@ -1,66 +1,15 @@
-"""The GRPO loss of MAR-GRPO, whole (docs/method.md §2–§7: §2
-ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π, §3 what a rollout records, §4
-M_unc = top-k% by u_p = mean_c std_s x0, §5 W = U_i ∧ (1[Δsim > κ] ∨ P_i), §6
-L = −mean_i (P_i − β KL_i), §7 the variants grpo, grpo-fixed-head, mar-grpo): advantages, the
-ratio and its surrogate, the KL choices, the per-AR-step objective, and `ar_step_loss`, which
-recomputes z under the policy for a recorded AR step and forms −(P_i − β KL_i) from the method
-files (diffloss.py, mte.py, masks.py). It calls only the policy interface of mar.MaskedAR (MAR,
-Harmon and NOVA alike).
+"""The GRPO loss of MAR-GRPO, whole, for one trained AR step i of a recorded rollout (§3), with
+chosen diffusion steps k, images b, positions p and channels c (docs/method.md §2–§7):
 
-"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trainers
-src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py (rewards,
-advantages, ratios, KL, masks and loss) and the runs' settings in
-scripts/debug_entry_{nova,harmon,nova_mix}.py.
-
-For one trained AR step i, with chosen diffusion steps k, images b, positions p, channels c:
-
-    A_b   = (r_b − mean_group r) / (std_group r + 1e-4)
-    ρ     = exp(ℓ_θ − ℓ_old)                               (per element)
-    term  = min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)              (ρ A without clipping)
-    P_i   = Σ W · π-term / Σ W                             (π-term: term, or its MTE average)
-    KL_i  = Σ_{U_i} KL-term / Σ_{U_i} 1
-    L     = −mean_i (P_i − β KL_i)
-
-What the paper says, what the released code does, and what this file does:
-1. Advantages. Released: (r − mean) / (std + 1e-4) over the G images of a prompt, with torch's
-   default (Bessel-corrected) std. This file: the same; a group whose rewards are all equal gets
-   exactly zero advantage (its numerator is zero), never NaN; G = 1 is rejected (no group).
-2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping.
-   This file: ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is
-   exactly the released objective (value and gradient), and E > 1 is PPO with ratio clipping
-   `--clip-eps`.
-3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between
-   the transition Gaussians). This file: the exact KL (μ_θ − μ_ref)² / (2 s²) by default
-   ("gaussian"), with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
-4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
-   its KL by its unknown elements, and each step is backpropagated on its own. Released: the
-   per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
-   is their mean). This file: L = −mean_i (P_i − β KL_i) as docs/method.md §6 writes it
-   (train.py divides each step's loss by their number): the same direction, 1/#steps the size
-   before clipping.
-5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This
-   file: drawn before the rollout from a seeded generator, diffusion steps from
-   `trainable_steps` (never the pure-noise step; see diffloss.py).
-6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
-   step (docs/method.md §5, W = U_i ∧ (1[Δsim > κ] ∨ P_i)). But only P_i is written into
-   the image at step i; on U_i outside P_i the head's samples are previews that are thrown away
-   and drawn again later, so for grpo and grpo-fixed-head their term has zero mean whatever the
-   reward (pure variance), and under the consistency mask it becomes a reward-weighted pull of
-   z_i toward the final tokens. This file: the released W by default; `--policy-positions
-   predicted` keeps W = P_i, the policy gradient of the trajectory that made the image.
-7. Recomputing ℓ. The transformer runs in eval mode (no dropout, no condition drop) with
-   gradients, so the recomputed ℓ of a fresh rollout equals the recorded one
-   (docs/method.md §2, ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π) and the first inner
-   epoch has ρ ≡ 1 exactly. `--train-cfg rollout` (default) recomputes μ with the rollout's
-   guidance (z of the condition and of the null condition, mixed with the step's w);
-   `--train-cfg 1` recomputes from the conditional z alone, as the released Harmon trainer does
-   although it sampled with guidance (then ℓ no longer matches the recorded value). The
-   reference policy of the KL runs the same computation without gradients.
-8. MTE terms are evaluated only at the uncertain unknown positions, so their cost scales with k%,
-   not with L (mte.trajectory_logprobs). `--mte-positions predicted` restricts them to the tokens
-   written at this step, P_i, the only positions whose z_final is this step's z_i; on U_i outside
-   P_i the trajectories come from the z of a later step, which the released code (and by default
-   this code) evaluates under z_i anyway (mte.py, item 2).
+    ℓ      = −(x − μ)²/(2s²) − log s − ½ log 2π          (§2, per element; s from the rollout)
+    A_b    = (r_b − mean_group r) / (std_group r + 1e-4)   (§6)
+    ρ      = exp(ℓ_θ − ℓ_old)                              (per element)
+    term   = min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)             (ρ A without clipping)
+    π-term = term; on M_unc its MTE average               (§4: M_unc top-k% by mean_c std_s x0)
+    W      = U_i ∧ (1[Δsim > κ] ∨ P_i)                     (§5)
+    P_i    = Σ W · π-term / Σ W
+    KL_i   = Σ_{U_i} KL-term / Σ_{U_i} 1
+    L      = −mean_i (P_i − β KL_i)                        (§6; §7: the variants, `METHODS`)
 """
 
 from dataclasses import dataclass
@@ -232,25 +181,26 @@ def ar_step_objective(pi_term, keep, kl, beta):
     return -(p - beta * k), p.detach(), k.detach()
 
 
-def choose_train_steps(num_iter, num_ar, trainable, num_diff, generator, below=0):
+def choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator, below=0):
     """Which AR steps and diffusion steps a rollout records (docs/method.md §3: per chosen AR
     step the canvas, U_i, P_i, the head's transitions on U_i and the previews), before it starts.
 
-    num_iter: AR steps N; num_ar: how many to train (all if >= N); trainable: the recordable
-    diffusion steps (`diffloss.trainable_steps(T)`); num_diff: how many of them; below: if > 0,
-    the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not in the paper: the
-    first steps, which place the objects; 0 draws from all N, as released).
+    num_ar_steps: the rollout's AR steps N; n_trained: how many of them to train (all if >= N);
+    trainable: the recordable diffusion steps (`diffloss.trainable_steps(T)`); n_diff: how many of
+    them; below: if > 0, the AR steps are drawn from 0 .. below − 1 only (`--train-ar-below`, not
+    in the paper: the first steps, which place the objects; 0 draws from all N, as released).
     returns (sorted list of AR steps, descending list of diffusion steps); the draws happen on the
     generator's device (a CUDA generator works), and reading them back is one host sync.
     """
     device = generator.device
-    pool = min(below, num_iter) if below > 0 else num_iter
-    ar = torch.randperm(pool, generator=generator, device=device)[:min(num_ar, pool)].sort().values
+    pool = min(below, num_ar_steps) if below > 0 else num_ar_steps
+    ar = torch.randperm(pool, generator=generator, device=device)[:min(n_trained, pool)]
+    ar = ar.sort().values
     trainable = torch.as_tensor(list(trainable), dtype=torch.long, device=device)
     if len(trainable) == 0:
         raise ValueError("no trainable diffusion steps: --num-sampling-steps must be >= 3")
     pick = torch.randperm(len(trainable), generator=generator,
-                          device=device)[:min(num_diff, len(trainable))]
+                          device=device)[:min(n_diff, len(trainable))]
     both = torch.cat([ar, trainable[pick].sort(descending=True).values]).tolist()
     return both[:len(ar)], both[len(ar):]
 
@@ -274,17 +224,18 @@ def recompute_z(model, step, inputs, guided):
     return z[:B].gather(1, idx), (z[B:].gather(1, idx) if guided else None)
 
 
-def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None, old=None):
+def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectories=None,
+                 old_logp=None):
     """The loss of trained AR step j of a rollout: −(P_i − β KL_i) (`ar_step_objective`).
 
     model / ref_model: the policy and the frozen reference (mar.MaskedAR); record: a
     rollout.RolloutRecord; j: index into record.steps; inputs: the rollout's condition inputs;
     adv: (B,) advantages; settings: GRPOSettings (the guidance w is the step's own);
     trajectories: MTE trajectories from `mte.sample_trajectories` (or None; M_unc is built from
-    them here, beside W); old: this step's ℓ_old from the first inner epoch (None in the first
-    epoch).
-    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), old for later
-    epochs)
+    them here, beside W); old_logp: this step's ℓ_old from the first inner epoch, {"logp",
+    "logp_traj"} (None in the first epoch).
+    returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), the step's ℓ_old
+    for the later epochs, {"logp", "logp_traj"})
     """
     step = record.steps[j]
     guided = record.z_final_null is not None and settings.train_cfg == "rollout"
@@ -296,11 +247,11 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     z, z_null = recompute_z(model, step, inputs, guided)
     mean = transition_mean(model.diffloss, step.x_t, step.diff_steps, z, z_null, w)
     logp = transition_logprob(step.x_prev, mean, step.std)
-    logp_old = logp.detach() if old is None else old["logp"]
+    logp_old = logp.detach() if old_logp is None else old_logp["logp"]
     pi_term, ratio = policy_surrogate(logp, logp_old, A, clip)
-    new_old = {"logp": logp_old}
+    old_logp_next = {"logp": logp_old}  # ℓ_old of the later epochs
     stats = {"logp_parity_err": (logp.detach() - step.logp).abs().max()}
-    pred = step.pred.gather(1, step.unk_idx)  # (B, n) P_i on U_i: the tokens this step wrote
+    written = step.written.gather(1, step.unk_idx)  # (B, n) P_i on U_i, written at this step
 
     # multi-trajectory expectation on the uncertain unknown positions (mte.py): M_unc, top-k% by
     # spread
@@ -309,13 +260,13 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
         # only where the trajectories' z_final is this step's z_i
         if settings.mte_positions == "predicted":
-            unc = unc & pred
+            unc = unc & written
         # (S, K, B, n, C)
         logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)
-        logp_s_old = logp_s.detach() if old is None else old["logp_traj"]
+        logp_s_old = logp_s.detach() if old_logp is None else old_logp["logp_traj"]
         term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
-        new_old["logp_traj"] = logp_s_old
+        old_logp_next["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()
         # the MTE gap: on the uncertain tokens outside P_i, the trajectories' ℓ under the z_final
         # they were drawn from minus their ℓ under z_i, per element: a log-likelihood ratio whose
@@ -328,10 +279,10 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,
-                                  step.pred,
+                                  step.written,
                                   settings.consistency_threshold).gather(1, step.unk_idx)  # (B, n)
     if settings.policy_positions == "predicted":  # only the tokens this step wrote into the image
-        keep = keep & pred
+        keep = keep & written
     stats["keep_frac"] = keep.float().mean()
 
     # KL to the reference policy, on the rollout trajectory over all of U_i
@@ -349,4 +300,59 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
                  ratio_max_dev=(ratio.detach() - 1).abs().max())
     if clip is not None:
         stats["clip_frac"] = ((ratio.detach() - 1).abs() > clip).float().mean()
-    return loss, stats, new_old
+    return loss, stats, old_logp_next
+
+
+# -----------------------------------------------------------------------------
+# Notes: what this file holds, and where it stands between the paper and the released code
+#
+# This file: advantages, the ratio and its surrogate, the KL choices, the per-AR-step objective,
+# and `ar_step_loss`, which recomputes z under the policy for a recorded AR step and forms
+# −(P_i − β KL_i) from the method files (diffloss.py, mte.py, masks.py). It calls only the policy
+# interface of mar.MaskedAR (MAR, Harmon and NOVA alike).
+#
+# "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trainers
+# src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py (rewards,
+# advantages, ratios, KL, masks and loss) and the runs' settings in
+# scripts/debug_entry_{nova,harmon,nova_mix}.py.
+#
+# What the paper says, what the released code does, and what this file does:
+# 1. Advantages. Released: (r − mean) / (std + 1e-4) over the G images of a prompt, with torch's
+#    default (Bessel-corrected) std. This file: the same; a group whose rewards are all equal gets
+#    exactly zero advantage (its numerator is zero), never NaN; G = 1 is rejected (no group).
+# 2. Ratios. Released: one optimizer step per rollout, ρ = exp(ℓ − sg ℓ) ≡ 1, no clipping.
+#    This file: ℓ_old is the detached ℓ of the first inner epoch, so `--inner-epochs 1` is
+#    exactly the released objective (value and gradient), and E > 1 is PPO with ratio clipping
+#    `--clip-eps`.
+# 3. KL. Released: e^{Δμ} − Δμ − 1 with Δμ = μ_ref − μ_θ ("mean-k3", not a KL between
+#    the transition Gaussians). This file: the exact KL (μ_θ − μ_ref)² / (2 s²) by default
+#    ("gaussian"), with "k3" (the GRPO estimator on log-probabilities) and "mean-k3" one flag away.
+# 4. Normalisation. As released, each AR step's policy term is normalised by its kept elements and
+#    its KL by its unknown elements, and each step is backpropagated on its own. Released: the
+#    per-step gradients add up (12 trained steps give 12× one step's gradient; only the logged loss
+#    is their mean). This file: L = −mean_i (P_i − β KL_i) as docs/method.md §6 writes it
+#    (train.py divides each step's loss by their number): the same direction, 1/#steps the size
+#    before clipping.
+# 5. Which steps train. Released: a random subset of AR steps and 10 random diffusion steps. This
+#    file: drawn before the rollout from a seeded generator, diffusion steps from
+#    `trainable_steps` (never the pure-noise step; see diffloss.py).
+# 6. Which positions carry the policy term. Released: W ⊆ U_i, all unknown positions of the trained
+#    step (docs/method.md §5, W = U_i ∧ (1[Δsim > κ] ∨ P_i)). But only P_i is written into
+#    the image at step i; on U_i outside P_i the head's samples are previews that are thrown away
+#    and drawn again later, so for grpo and grpo-fixed-head their term has zero mean whatever the
+#    reward (pure variance), and under the consistency mask it becomes a reward-weighted pull of
+#    z_i toward the final tokens. This file: the released W by default; `--policy-positions
+#    predicted` keeps W = P_i, the policy gradient of the trajectory that made the image.
+# 7. Recomputing ℓ. The transformer runs in eval mode (no dropout, no condition drop) with
+#    gradients, so the recomputed ℓ of a fresh rollout equals the recorded one
+#    (docs/method.md §2, ℓ = −(x − μ)²/(2s²) − log s − ½ log 2π) and the first inner
+#    epoch has ρ ≡ 1 exactly. `--train-cfg rollout` (default) recomputes μ with the rollout's
+#    guidance (z of the condition and of the null condition, mixed with the step's w);
+#    `--train-cfg 1` recomputes from the conditional z alone, as the released Harmon trainer does
+#    although it sampled with guidance (then ℓ no longer matches the recorded value). The
+#    reference policy of the KL runs the same computation without gradients.
+# 8. MTE terms are evaluated only at the uncertain unknown positions, so their cost scales with k%,
+#    not with L (mte.trajectory_logprobs). `--mte-positions predicted` restricts them to the tokens
+#    written at this step, P_i, the only positions whose z_final is this step's z_i; on U_i outside
+#    P_i the trajectories come from the z of a later step, which the released code (and by default
+#    this code) evaluates under z_i anyway (mte.py, item 2).

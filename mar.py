@@ -1,40 +1,16 @@
-"""MAR: masked autoregressive image generation with a diffusion head (docs/method.md §1, MAR's
-loop: at AR step i, z = f_θ(known canvas, condition) and the head writes P_i ⊆ U_i by T-step
-DDPM; §3, what a rollout records: per chosen AR step the canvas, U_i, P_i, the head's transitions
-on U_i and the previews x̂0^(i), x̂0^(i−1); §10, the official MAR interfaces: checkpoints, the
-KL-16 VAE, the respaced schedule).
+"""MAR, masked autoregressive image generation with a diffusion head (docs/method.md §1; §10, the
+official interfaces), and the generation loop MAR, Harmon and NOVA share: at AR step i of N, over a
+random order, with U_i the unknown positions and P_i ⊆ U_i those the step writes,
 
-Sources: "official" is GitHub `LTH14/mar@fe470ac`, models/mar.py (the head sizes: the main_mar.py
-commands of its README.md). "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`:
-Harmon's MAR in src/grpo/src/harmon/mar.py, NOVA in src/grpo/src/diffnext/ (orders:
-models/embeddings.py; generation loop: models/transformers/transformer_3d.py).
-
-The model is the official one (Li et al. 2024, GitHub LTH14/mar), with the same module names,
-so official checkpoints load with `strict=True`: tokens x (B, L, C_tok) are patches of a latent
-image (KL-16 VAE latents, or raw pixels); an MAE encoder reads the *known* tokens plus
-`buffer_size` condition slots; an MAE decoder fills every position with a mask token where unknown
-and outputs z (B, L, D) per position; the diffusion head (diffloss.py) turns z into tokens.
-Generation runs N steps over a random order; after step i, floor(L cos(π/2 (i+1)/N)) tokens are
-unknown, at least one fewer each step (`ar_schedule`).
-
-What this file adds or changes, in order of importance:
-1. The generation loop is `MaskedAR.generate`, shared by MAR, Harmon and NOVA: it calls only the
-   policy interface, so rollout.py's recorder and grpo.py's loss drive every model alike.
-   `sample_tokens` keeps the official signature.
-2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
-   first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
-   condition of classifier-free guidance. The class path is unchanged.
-3. All randomness goes through a `torch.Generator`, the device comes from the model's tensors
-   (the official code uses global numpy state and `.cuda()`). With the same orders and noise,
-   `sample_tokens` computes what the official code computes in eval mode (tested).
-4. `local_conv=k` (small models only; 0 by default, as official): a zero-initialised k×k
-   convolution over the decoder's token grid. A small MAR trained for minutes on a CPU does not
-   learn from learned position embeddings which tokens are neighbours; this prior gives it that.
-Codecs (raw pixels, the KL-16 VAE) are in models/vae.py; loading `.pth` files, models/loading.py.
+    z_i       = f_θ(known canvas, condition)                  (B, L, D), at every position
+    x_p       ~ head(z_i,p) for p ∈ P_i                       T-step DDPM of diffloss.py, τ, w_i
+    |U_{i+1}| = max(1, min(|U_i| − 1, ⌊L cos(π/2 (i+1)/N)⌋))  0 after the last step (`ar_schedule`)
+    w_i       = 1 + (w − 1)(L − max(|U_{i+1}|, 1)) / L         linear guidance, or w constant
 """
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -77,6 +53,21 @@ def cat_rows(a, b):
     if isinstance(a, dict):
         return {key: torch.cat([a[key], b[key]]) for key in a}
     return torch.cat([a, b])
+
+
+class StepView(NamedTuple):
+    """What AR step i of `MaskedAR.generate` shows its observer after the head's call (`saw(view)`;
+    rollout.py records from it, docs/method.md §3): B images, L positions, C token channels, m
+    positions the head sampled."""
+    i: int
+    tokens: torch.Tensor      # (B, L, C) the canvas the step started from (zeros where unknown)
+    unknown: torch.Tensor     # (B, L) bool U_i
+    written: torch.Tensor     # (B, L) bool P_i ⊆ U_i, the positions written at this step
+    pos: torch.Tensor         # (B, m) the positions the head sampled, ascending
+    z: torch.Tensor           # (B, L, D), or (2B, L, D) [cond; null] rows with guidance
+    w: float                  # the step's guidance
+    canvas: torch.Tensor      # (B, L, C) the canvas with the head's result at `pos`
+    traj: dict | None         # the head's recorded transitions ((K, B·m, C) each), or None
 
 
 class MaskedAR:
@@ -128,9 +119,10 @@ class MaskedAR:
 
         cond: a batch's condition; orders: (B, L); num_iter: N; cfg: guidance w (rows doubled with
         the null condition when w != 1); cfg_schedule: "linear" | "constant"; temperature: τ;
-        observer: None, or rollout.Recorder: `wants(i)` -> (all_unknown: the head samples all of
-          U_i, not only P_i; record_steps: its diffusion steps to record, or None), `saw(i, ...)`
-          the step.
+        observer: None, or one with `wants(i)` -> None (the head samples P_i alone) or a request
+          with `all_unknown` (it samples all of U_i) and `record_steps` (its diffusion steps to
+          record, or None): rollout.StepRequest; and `saw(view)`, view a `StepView` of the step
+          (rollout.Recorder).
         returns tokens (B, L, C)
         """
         guided = cfg != 1.0
@@ -148,9 +140,11 @@ class MaskedAR:
             D = z.shape[-1]
             n_next = num_unknown - count  # orders[:, :n_next] stay unknown
             # (B, L) P_i
-            pred = torch.zeros_like(unknown).scatter_(1, orders[:, n_next:num_unknown], True)
+            written = torch.zeros_like(unknown).scatter_(1, orders[:, n_next:num_unknown], True)
             w = guidance_weight(cfg, cfg_schedule, n_next, L) if guided else 1.0
-            all_unknown, record_steps = observer.wants(i) if observer is not None else (False, None)
+            request = observer.wants(i) if observer is not None else None
+            all_unknown = request is not None and request.all_unknown
+            record_steps = request.record_steps if request is not None else None
             pos = (orders[:, :num_unknown] if all_unknown
                    else orders[:, n_next:num_unknown]).sort(dim=1).values  # (B, m)
             # the head's rows are image-major, positions ascending
@@ -166,10 +160,10 @@ class MaskedAR:
             canvas = tokens.scatter(1, pos[..., None].expand(-1, -1, C),
                                     sampled.reshape(B, -1, C).to(tokens.dtype))
             if observer is not None:
-                observer.saw(i, tokens=tokens, unknown=unknown, pred=pred, pos=pos, z=z, w=w,
-                             canvas=canvas, traj=traj)
-            tokens = torch.where(pred[..., None], canvas, tokens)  # only P_i is written
-            unknown, num_unknown = unknown & ~pred, n_next
+                observer.saw(StepView(i, tokens=tokens, unknown=unknown, written=written, pos=pos,
+                                      z=z, w=w, canvas=canvas, traj=traj))
+            tokens = torch.where(written[..., None], canvas, tokens)  # only P_i is written
+            unknown, num_unknown = unknown & ~written, n_next
         return tokens
 
 
@@ -243,7 +237,7 @@ class MAR(MaskedAR, nn.Module):
         self.diffusion_pos_embed_learned = nn.Parameter(
             torch.zeros(1, self.seq_len, decoder_embed_dim))
         self.local_conv = local_conv
-        if local_conv:  # not in the official MAR: see the module docstring, item 4
+        if local_conv:  # not in the official MAR: the notes at the end of this file, item 4
             self.decoder_local_conv = nn.Conv2d(decoder_embed_dim, decoder_embed_dim, local_conv,
                                                 padding=local_conv // 2)
 
@@ -458,3 +452,35 @@ def build_mar(config):
         raise ValueError("config: only the official mask schedule (a truncated normal ratio) is "
                          "built")
     return MAR(norm_layer=partial(nn.LayerNorm, eps=norm_eps), **config)
+
+
+# -----------------------------------------------------------------------------
+# Notes: the official MAR, and what this file adds or changes
+#
+# Sources: "official" is GitHub `LTH14/mar@fe470ac`, models/mar.py (the head sizes: the main_mar.py
+# commands of its README.md). "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`:
+# Harmon's MAR in src/grpo/src/harmon/mar.py, NOVA in src/grpo/src/diffnext/ (orders:
+# models/embeddings.py; generation loop: models/transformers/transformer_3d.py).
+#
+# The model is the official one (Li et al. 2024, GitHub LTH14/mar), with the same module names,
+# so official checkpoints load with `strict=True`: tokens x (B, L, C_tok) are patches of a latent
+# image (KL-16 VAE latents, or raw pixels); an MAE encoder reads the *known* tokens plus
+# `buffer_size` condition slots; an MAE decoder fills every position with a mask token where unknown
+# and outputs z (B, L, D) per position; the diffusion head (diffloss.py) turns z into tokens.
+# Generation runs N steps over a random order; after step i, floor(L cos(π/2 (i+1)/N)) tokens are
+# unknown, at least one fewer each step (`ar_schedule`).
+#
+# What this file adds or changes, in order of importance:
+# 1. The generation loop is `MaskedAR.generate`, shared by MAR, Harmon and NOVA: it calls only the
+#    policy interface, so rollout.py's recorder and grpo.py's loss drive every model alike.
+#    `sample_tokens` keeps the official signature.
+# 2. Prompt conditioning beside the class path: `prompt_ids` (B, S) are embedded and placed in the
+#    first S buffer slots; padding and the free slots hold `fake_latent`, which is also the null
+#    condition of classifier-free guidance. The class path is unchanged.
+# 3. All randomness goes through a `torch.Generator`, the device comes from the model's tensors
+#    (the official code uses global numpy state and `.cuda()`). With the same orders and noise,
+#    `sample_tokens` computes what the official code computes in eval mode (tested).
+# 4. `local_conv=k` (small models only; 0 by default, as official): a zero-initialised k×k
+#    convolution over the decoder's token grid. A small MAR trained for minutes on a CPU does not
+#    learn from learned position embeddings which tokens are neighbours; this prior gives it that.
+# Codecs (raw pixels, the KL-16 VAE) are in models/vae.py; loading `.pth` files, models/loading.py.

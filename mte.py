@@ -1,42 +1,15 @@
-"""Multi-Trajectory Expectation (MTE, docs/method.md §4: u_p = mean_c std_s x0,
-M_unc = top-k% of positions by u_p): average the policy term of uncertain tokens over several
-diffusion trajectories of the frozen head, to cut the noise the head's sampling puts into the
-policy gradient.
+"""Multi-Trajectory Expectation (MTE, docs/method.md §4): after the rollout the frozen head is run
+again from z_final (the z each token was generated from) with S fresh noise draws, recording the
+same chosen diffusion steps, and the policy term of the most uncertain tokens is averaged over
+those trajectories, per element:
 
-"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trajectories are drawn in
-src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`,
-`num_seed=3`) and src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon,
-`sample_with_logp`, `num_seed=5`); their term is evaluated in the trainers
-src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py
-(`use_critic_token`, on in scripts/debug_entry_{nova,harmon,nova_mix}.py).
-
-After the rollout, the frozen head is re-run from z_final (the condition each token was generated
-from) with S fresh noise draws, recording the same chosen diffusion steps. Then, per element,
-
+    u_p    = mean_c std_s x0^(s)_{p,c},   M_unc = top-k% of positions by u_p       (masks.py)
+    ρ^(s)  = exp(ℓ_θ(trajectory s) − sg ℓ),   evaluated under z_i of the trained AR step
     π-term = (1 − M_unc) · term(rollout trajectory) + M_unc · (1/S) Σ_s term(trajectory s)
 
-where term is the policy surrogate of grpo.py (ρ A without clipping) and M_unc the top-k% mask of
-masks.py on u_p = mean_c std_s x0^(s).
-
-What the paper says, what the released code does, and what this file does:
-1. Paper: estimate the optimisation direction by an expectation over S trajectories, only for
-   the most uncertain tokens. Released: S = 3 (NOVA) or 5 (Harmon) re-runs from z_final, one
-   Python loop that reseeds the global RNG per trajectory. This file: one batched head call over
-   S × B × L rows with a passed generator (`sample_trajectories`).
-2. Released: the trajectories were drawn under z_final but their log-probabilities are evaluated
-   under z_i of the trained AR step. This file: the same, as the default (it is what was
-   published; docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ) under z_i):
-   `trajectory_logprobs`; `--mte-positions predicted` restricts it to P_i (grpo.ar_step_loss).
-3. Released: every trajectory's log-probability uses the rollout trajectory's s. This file: each
-   uses its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's
-   scale per element can differ, and only where σ depends on x^t.
-4. Released: the trajectories are guided with the w of the last AR step for every token. This
-   file: each token is guided with the w it was generated with (`cfg_final`).
-5. A property, not a choice: on P_i (z_i = z_final) each trajectory's ∇ℓ is the score of the
-   very distribution it was drawn from, so its mean over trajectories is zero whatever the
-   advantage. There MTE does not average a gradient; it replaces the uncertain tokens' policy
-   gradient by noise that shrinks as 1/√S, i.e. it masks them (tested). Only on U_i outside P_i,
-   evaluated under another z, do the trajectories carry a direction.
+with term the policy surrogate of grpo.py (ρ A without clipping). On P_i the trajectories' score
+has zero mean whatever the advantage, so there MTE masks the uncertain tokens rather than
+averaging a gradient (docs/method.md §4, "MTE on P_i").
 """
 
 import torch
@@ -73,8 +46,8 @@ def sample_trajectories(head, z_final, z_final_null, cfg_final, temperature, num
 
 def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
     """ℓ_θ of the S trajectories at one trained AR step, evaluated under that step's z_i
-    (docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ); item 2 above), dense over
-    U_i.
+    (docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ); item 2 of the notes below), dense
+    over U_i.
 
     head: the policy's head; trajectories: dict from `sample_trajectories`; step: a
     rollout.StepRecord (unk_idx (B, n), diff_steps (K ints)); z, z_null: (B, n, D) the recomputed
@@ -112,3 +85,33 @@ def mte_policy_term(term_rollout, term_traj, uncertain):
     returns (K, B, n, C)
     """
     return torch.where(uncertain[None, :, :, None], term_traj.mean(dim=0), term_rollout)
+
+
+# -----------------------------------------------------------------------------
+# Notes: the paper, the released code, and this file
+#
+# This file cuts the noise the head's sampling puts into the policy gradient by averaging the
+# policy term of uncertain tokens over several diffusion trajectories of the frozen head.
+#
+# "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the trajectories are drawn in
+# src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`,
+# `num_seed=3`) and src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon,
+# `sample_with_logp`, `num_seed=5`); their term is evaluated in the trainers
+# src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and grpo_trainer_harmon_v1_2.py
+# (`use_critic_token`, on in scripts/debug_entry_{nova,harmon,nova_mix}.py).
+#
+# What the paper says, what the released code does, and what this file does:
+# 1. Paper: estimate the optimisation direction by an expectation over S trajectories, only for
+#    the most uncertain tokens. Released: S = 3 (NOVA) or 5 (Harmon) re-runs from z_final, one
+#    Python loop that reseeds the global RNG per trajectory. This file: one batched head call over
+#    S × B × L rows with a passed generator (`sample_trajectories`).
+# 2. Released: the trajectories were drawn under z_final but their log-probabilities are evaluated
+#    under z_i of the trained AR step. This file: the same, as the default (it is what was
+#    published; docs/method.md §4, ρ^(s) = exp(ℓ_θ(trajectory s) − sg ℓ) under z_i):
+#    `trajectory_logprobs`; `--mte-positions predicted` restricts it to P_i (grpo.ar_step_loss).
+# 3. Released: every trajectory's log-probability uses the rollout trajectory's s. This file: each
+#    uses its own s = τ σ (the std it was sampled with); both are detached, so only the gradient's
+#    scale per element can differ, and only where σ depends on x^t.
+# 4. Released: the trajectories are guided with the w of the last AR step for every token. This
+#    file: each token is guided with the w it was generated with (`cfg_final`).
+# 5. On P_i, MTE acts as a mask (a property, not a choice): docs/method.md §4, "MTE on P_i".

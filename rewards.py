@@ -1,12 +1,8 @@
-"""Rewards for GRPO: one call signature, built by name, combined with weights.
+"""Rewards for GRPO: one call signature, and the weighted sum of named rewards,
 
-"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: its runs
-scripts/debug_entry_{nova,harmon,nova_mix}.py (`--reward_funcs hps` with HPS_v2.1_compressed.pt;
-nova_mix adds `git` and `gdino`), the prompt records they train on (read in
-src/grpo/src/open_r1/grpo_v1.py) and its scorers src/grpo/src/utils/reward_hps.py,
-reward_git.py and reward_gdino.py.
+    r_b = sum_k w_k r_k,b          info["components"][k] = r_k (B,), info["means"][k] = mean_b r_k,b
 
-Every reward is a callable
+(the means are unweighted, one per component, for logging), where every reward is a callable
 
     fn(images, prompts, metadata) -> (scores, info)
 
@@ -19,42 +15,19 @@ Every reward is a callable
     scores:   (B,) float32 tensor on the CPU
     info:     dict of per-image extras (e.g. "details" for shapes) and JSON-able scalars
 
-run under `torch.no_grad()`, one batched pass per call. `build_reward("hpsv2:1.0,pickscore:0.5",
-weights={...})` parses the `--reward` spec and returns the weighted sum of its rewards,
+run under `torch.no_grad()`, one batched pass per call.
 
-    r_b = sum_k w_k r_k,b          info["components"][k] = r_k (B,), info["means"][k] = mean_b r_k,b
-
-(the means are unweighted, one per component, for logging). The released runs use HPS v2.1
-(docs/method.md §8, the released hyperparameters: reward HPS v2.1, β = 0.01, G = 4 images per
-prompt, 12 AR × 10 diffusion steps trained per rollout). `build_reward(spec, server={"url": ...})`
-returns the same reward scored by a reward server (`python -m scorers.server`; the client is
-scorers/remote.py, docs/reward_server.md).
-
-This file holds the interface, the spec parser, `build_reward`, the table of weight files
-(`WEIGHT_FILES`), and the rewards that need no model (JPEG). The others live in folders and are
-imported when first built, so `import rewards` pulls in none of their libraries: the shapes
-verifier in demo/verifier.py, the model-based rewards in scorers/ (clip.py: open_clip;
-scorers/imagereward.py: BLIP; composition.py: GroundingDINO, GIT; weights.py reads their weight
-files).
-
-The rewards: `shapes` and `shapes_partial` (the demo's verifier), `jpeg_compressibility` and
-`jpeg_incompressibility` (DDPO's JPEG size) need no weights; `clip_score`, `hpsv2`, `pickscore`
-and `aesthetic` (CLIP models), `imagereward` (BLIP), and `gdino`, `gdino_released` and `git_vqa`
-(GroundingDINO, GIT; these also need `--prompts FILE.jsonl`) read local weight files, given by
-`weights` key as `build_reward(..., weights={key: path})` or `--reward-ckpt key=PATH`. What each
-scores, its keys and files, and where each file is published:
-docs/real_models.md, "Rewards and their weight files".
-
-Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
-file raises a one-line FileNotFoundError naming `--reward-ckpt` and the expected file, a file that
-does not fit raises a one-line ValueError naming the file and the first mismatched keys. The
-accepted file formats and where each reward departs from its official scorer are listed at the top
-of scorers/clip.py and scorers/imagereward.py.
+This file is the interface alone: `Reward`, `WeightedSum`, a `--reward` spec parsed into
+(name, weight) items, `score` (a batch scored, a failing reward stopping the run in one line), and
+the rewards that need no model (DDPO's JPEG size). It imports nothing of the project. Which reward
+a name builds, its weight files, and whether it runs in this process or on a reward server are
+decided in scorers/registry.py (`build_reward("hpsv2:1.0,pickscore:0.5", weights={...})`); the
+rewards themselves live in demo/verifier.py (the shapes world's) and scorers/ (the model-based
+ones). The released runs use HPS v2.1 (docs/method.md §8).
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 import math
 
@@ -62,28 +35,6 @@ import torch
 from PIL import Image
 
 REWARD_FLAG = "--reward"      # the spec flag, named in errors
-CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
-
-# weights key -> (expected file, where it is published); the table of docs/real_models.md,
-# "Rewards and their weight files".
-WEIGHT_FILES = {
-    "hpsv2": ("HPS_v2.1_compressed.pt or HPS_v2_compressed.pt", "HF xswu/HPSv2"),
-    "pickscore": ("model.safetensors", "HF yuvalkirstain/PickScore_v1"),
-    "clip_score": ("ViT-L-14.pt (or the open_clip checkpoint of model_name)",
-                   "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
-    "aesthetic": ("sac+logos+ava1-l14-linearMSE.pth",
-                  "GitHub christophschuhmann/improved-aesthetic-predictor"),
-    "aesthetic_clip": ("ViT-L-14.pt", "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
-    "imagereward": ("ImageReward.pt", "HF THUDM/ImageReward"),
-    "imagereward_tokenizer": ("a folder with the bert-base-uncased vocab.txt",
-                              "HF google-bert/bert-base-uncased"),
-    "gdino": ("a GroundingDINO folder in the HF layout", "HF IDEA-Research/grounding-dino-tiny"),
-    "git_vqa": ("a GIT folder in the HF layout", "HF microsoft/git-large-vqav2"),
-}
-# weights keys that name a folder, not a file
-FOLDER_KEYS = {"imagereward_tokenizer", "gdino", "git_vqa"}
-# rewards that read the released prompt records
-METADATA_REWARDS = ("gdino", "gdino_released", "git_vqa")
 
 
 # -----------------------------------------------------------------------------
@@ -158,8 +109,9 @@ class WeightedSum(Reward):
         return total, info
 
 
-def parse_reward_spec(spec):
-    """'hpsv2:1.0,pickscore:0.5' -> [('hpsv2', 1.0), ('pickscore', 0.5)]; a bare name weighs 1."""
+def parse_reward_spec(spec, names):
+    """'hpsv2:1.0,pickscore:0.5' -> [('hpsv2', 1.0), ('pickscore', 0.5)]; a bare name weighs 1.
+    names: the rewards a name may be (scorers/registry.py's); any other is a one-line error."""
     items = []
     for part in (spec or "").split(","):
         part = part.strip()
@@ -167,9 +119,9 @@ def parse_reward_spec(spec):
             continue
         name, _, weight = part.partition(":")
         name = name.strip()
-        if name not in REWARDS:
+        if name not in names:
             raise ValueError(f"unknown reward '{name}' ({REWARD_FLAG}); "
-                             f"choose from {', '.join(REWARDS)}")
+                             f"choose from {', '.join(names)}")
         try:
             w = float(weight) if weight.strip() else 1.0
         except ValueError:
@@ -181,101 +133,8 @@ def parse_reward_spec(spec):
             raise ValueError(f"reward '{name}' appears twice in {REWARD_FLAG} '{spec}'")
         items.append((name, w))
     if not items:
-        raise ValueError(f"empty reward spec ({REWARD_FLAG}); choose from {', '.join(REWARDS)}")
+        raise ValueError(f"empty reward spec ({REWARD_FLAG}); choose from {', '.join(names)}")
     return items
-
-
-def parse_reward_ckpt(values, spec):
-    """Turn `--reward-ckpt` values into the `weights` dict of `build_reward`.
-
-    values: list of strings (or one string), each 'key=PATH' (comma-separated lists allowed), or a
-            single bare PATH when the spec needs exactly one weight file.
-    spec:   the `--reward` spec, to know which keys are needed.
-    """
-    if values is None:
-        return {}
-    values = [values] if isinstance(values, str) else list(values)
-    needed = [key for name, _ in parse_reward_spec(spec) for key in REWARDS[name][1]]
-    weights = {}
-    for value in values:
-        for item in value.split(","):
-            item = item.strip()
-            key, sep, path = item.partition("=")
-            if sep and key in WEIGHT_FILES:
-                weights[key] = path
-            elif len(values) == 1 and "," not in value and len(needed) == 1:
-                weights[needed[0]] = item
-            elif item:
-                raise ValueError(f"{CKPT_FLAG} '{item}': write key=PATH with key in "
-                                 f"{', '.join(WEIGHT_FILES)}")
-    unused = [key for key in weights if key not in needed]
-    if unused:  # a file given for a reward that is not in use would be silently ignored
-        raise ValueError(f"{CKPT_FLAG} {unused[0]}={weights[unused[0]]}: {REWARD_FLAG} '{spec}' "
-                         f"uses no {unused[0]} weights"
-                         + (f" (it takes {', '.join(needed)})" if needed else ""))
-    return weights
-
-
-def build_reward(spec, *, device="cpu", weights=None, options=None, server=None, **kwargs):
-    """Build the weighted reward of a `--reward` spec.
-
-    spec:    'name' or 'name:weight' items, comma-separated (e.g. 'hpsv2:1.0,pickscore:0.5').
-    device:  where the reward models run (images are moved there after preprocessing).
-    weights: weights key -> local file, e.g. {"hpsv2": ".../HPS_v2.1_compressed.pt",
-             "pickscore": ".../model.safetensors", "clip_score": ".../ViT-L-14.pt",
-             "aesthetic": ".../sac+logos+ava1-l14-linearMSE.pth",
-             "aesthetic_clip": ".../ViT-L-14.pt", "imagereward": ".../ImageReward.pt",
-             "imagereward_tokenizer": ".../bert-base-uncased"} (the tokenizer key names a
-             folder). Keys of rewards not in the spec are ignored.
-    options: per-reward keyword arguments, {name: {kwarg: value}}, over `kwargs`.
-    kwargs:  keyword arguments given to every reward of the spec that takes them (e.g.
-             `model_name` for the CLIP-based rewards, `arch` for imagereward, `dtype`,
-             `batch_size`).
-    server:  None (the reward models run in this process), or {"url", "token", "timeout",
-             "retries"}: a reward server (`python -m scorers.server`) that serves every name of
-             the spec scores the images and this process sums them (scorers/remote.py
-             `RemoteReward`); the weight files and options are then the server's.
-    Returns a `WeightedSum` (also for a single reward, so info always has means and components), or
-    with `server` a RemoteReward whose info has the same keys.
-    """
-    items = parse_reward_spec(spec)
-    if server is not None:
-        if weights or options or kwargs:
-            raise ValueError(f"{CKPT_FLAG} and reward options "
-                             f"{sorted({**(weights or {}), **(options or {}), **kwargs})}: "
-                             "the reward server loads the models "
-                             "(python -m scorers.server --reward-ckpt KEY=PATH)")
-        return _built_from("scorers.remote", "RemoteReward")(items=items, **server)
-    weights = dict(weights or {})
-    for key in weights:
-        if key not in WEIGHT_FILES:
-            raise ValueError(f"{CKPT_FLAG}: unknown weights key '{key}'; "
-                             f"choose from {', '.join(WEIGHT_FILES)}")
-    options = dict(options or {})
-    for name in options:
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward '{name}' in options; "
-                             f"choose from {', '.join(REWARDS)}")
-    components = []
-    for name, w in items:
-        factory, keys, accepted = REWARDS[name]
-        opts = {k: v for k, v in kwargs.items() if k in accepted}
-        opts.update(options.get(name, {}))
-        paths = {key: weights.get(key) for key in keys}
-        components.append((name, w, factory(device=device, **paths, **opts)))
-    used = set().union(*(REWARDS[n][2] for n, _ in items))
-    unused = [k for k in kwargs if k not in used]
-    if unused:
-        raise ValueError(f"reward options {unused} are taken by none of the rewards in '{spec}'")
-    return WeightedSum(components)
-
-
-def server_settings(args):
-    """build_reward's `server` for a run's flags: None without --reward-url, else what
-    scorers/remote.py's `settings` reads (imported only by the runs that name a server)."""
-    if getattr(args, "reward_url", None) is None:
-        return None
-    return importlib.import_module("scorers.remote").settings(args)
 
 
 class RewardFailed(RuntimeError):
@@ -325,50 +184,3 @@ class JpegReward(Reward):
 
     def score(self, images, prompts, metadata):
         return self.sign * jpeg_size_kb(images), {}
-
-
-# -----------------------------------------------------------------------------
-# The registry
-
-def _built_from(module, cls_name):
-    """A factory that imports `module` when the reward is first built: the scorers import `Reward`
-    from this file and pull in open_clip / transformers, the shapes reward the demo's world."""
-    def factory(**kwargs):
-        return getattr(importlib.import_module(module), cls_name)(**kwargs)
-    factory.__qualname__ = f"{module}.{cls_name}"
-    return factory
-
-
-# name -> (factory(device=..., **weight paths, **options), weights keys, accepted options)
-_CLIP_OPTIONS = {"model_name", "dtype", "batch_size"}
-REWARDS = {
-    "shapes": (_built_from("demo.verifier", "ShapesReward"), (), set()),
-    "shapes_partial": (_built_from("demo.verifier", "ShapesPartialReward"), (), set()),
-    "jpeg_compressibility": (lambda device="cpu": JpegReward(-1.0, device), (), set()),
-    "jpeg_incompressibility": (lambda device="cpu": JpegReward(+1.0, device), (), set()),
-    "clip_score": (_built_from("scorers.clip", "ClipScoreReward"), ("clip_score",), _CLIP_OPTIONS),
-    "hpsv2": (_built_from("scorers.clip", "HPSv2Reward"), ("hpsv2",), _CLIP_OPTIONS),
-    "pickscore": (_built_from("scorers.clip", "PickScoreReward"), ("pickscore",), _CLIP_OPTIONS),
-    "aesthetic": (_built_from("scorers.clip", "AestheticReward"), ("aesthetic", "aesthetic_clip"),
-                  _CLIP_OPTIONS),
-    "imagereward": (_built_from("scorers.imagereward", "ImageRewardReward"),
-                    ("imagereward", "imagereward_tokenizer"), {"arch", "dtype", "batch_size"}),
-    "gdino": (_built_from("scorers.composition", "GDinoReward"), ("gdino",), set()),
-    "gdino_released": (_built_from("scorers.composition", "GDinoReleasedReward"), ("gdino",),
-                       set()),
-    "git_vqa": (_built_from("scorers.composition", "GitVqaReward"), ("git_vqa",), set()),
-}
-
-# The reward classes of other folders are also reachable from this module (`rewards.HPSv2Reward`),
-# imported on first access (PEP 562) for the same reason as `_built_from`.
-_ELSEWHERE = {"ShapesReward": "demo.verifier", "ShapesPartialReward": "demo.verifier",
-              "ClipScoreReward": "scorers.clip", "HPSv2Reward": "scorers.clip",
-              "PickScoreReward": "scorers.clip", "AestheticReward": "scorers.clip",
-              "ImageRewardReward": "scorers.imagereward", "GDinoReward": "scorers.composition",
-              "GDinoReleasedReward": "scorers.composition", "GitVqaReward": "scorers.composition"}
-
-
-def __getattr__(name):
-    if name in _ELSEWHERE:
-        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    raise AttributeError(f"module 'rewards' has no attribute '{name}'")

@@ -1,31 +1,16 @@
-"""Recording a rollout for RL (docs/method.md §3), for any model of the MAR family: a recorder that
+"""Recording a rollout for RL (docs/method.md §3), for any model of the MAR family: a `Recorder`
 watches the generation loop (mar.MaskedAR.generate, which MAR, Harmon and NOVA share) and keeps
-what the loss of grpo.py needs.
+what the loss of grpo.py needs, for each chosen AR step i only (so memory scales with the chosen
+steps):
 
-What a rollout records, for each chosen AR step i only (so memory scales with the chosen steps):
-the canvas, U_i, P_i, the head's chosen transitions on *all* unknown positions U_i (not only P_i),
-and the previews x̂0 of steps i and i−1; after the last step, the final tokens and, for every
-position, the z (and null z, and guidance w) it was generated from.
-
-"Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the samplers that record a
-rollout, src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`; z
-recomputed by `single_forward_without_head`) and
-src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon, `sample_with_logp`), and the
-trainers that read it, src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and
-grpo_trainer_harmon_v1_2.py.
-
-Where this departs from the released trainers:
-1. The released trainers run the head on all L positions at kept steps; this file runs it on U_i,
-   which gives the same distribution for the positions that matter for less work.
-2. The released Harmon trainer stores U_{i+1} as step i's unknown set, and the released NOVA
-   trainer recomputes z with a canvas frame the sampler never saw; so their recomputed z is not
-   the rollout's. This record holds exactly what the sampler fed the model, and recorded and
-   recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
-3. With no chosen steps, the recorder changes nothing: a rollout and `MAR.sample_tokens` with the
-   same generator are the same images (tested).
+    step i:     the canvas, U_i, P_i ⊆ U_i (written at step i), the step's w, and on all of U_i
+                (not only P_i) the head's transitions x^k -> x^{k-1}, their s = τσ_k and ℓ,
+                (K, B, n, C) each; the previews x̂0^(i) and x̂0^(i−1)
+    the end:    x_final, and for every position the z (null z, w) it was generated from
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -48,7 +33,7 @@ class StepRecord:
     """One recorded AR step i, with n = |U_i| unknown positions per image and K diffusion steps.
 
     tokens (B, L, C): the canvas at the start of step i (zeros at unknown positions);
-    unknown (B, L) bool: U_i; pred (B, L) bool: P_i ⊆ U_i, the positions written at step i;
+    unknown (B, L) bool: U_i; written (B, L) bool: P_i ⊆ U_i, the positions written at step i;
     unk_idx (B, n): the positions of U_i, ascending (every image has the same n);
     cfg: the guidance w of this step (1.0 without guidance);
     diff_steps: the K recorded sampling steps, in sampling order (list of int);
@@ -60,7 +45,7 @@ class StepRecord:
     i: int
     tokens: torch.Tensor
     unknown: torch.Tensor
-    pred: torch.Tensor
+    written: torch.Tensor
     unk_idx: torch.Tensor
     cfg: float
     diff_steps: list
@@ -89,9 +74,17 @@ class RolloutRecord:
     steps: list
 
 
+class StepRequest(NamedTuple):
+    """What an observer of `MaskedAR.generate` asks of AR step i (`wants(i)`; None: nothing, the
+    head samples P_i alone)."""
+    all_unknown: bool    # the head samples all of U_i, not only P_i (the preview x̂0^(i) on U_i)
+    record_steps: list | None  # the diffusion steps whose transitions it records, or None
+
+
 class Recorder:
     """The observer of `MaskedAR.generate` that records the steps of a RolloutPlan (None:
-    nothing)."""
+    nothing): `wants(i)` -> StepRequest or None before step i's head call, `saw(view)` after it
+    (view: a mar.StepView)."""
 
     def __init__(self, plan):
         self.diff_steps = step_list(plan.diff_steps) if plan is not None else []
@@ -102,30 +95,32 @@ class Recorder:
         self.z_final = self.z_final_null = self.cfg_final = None
 
     def wants(self, i):
-        """(the head samples all of U_i at step i, not only P_i; the diffusion steps to record or
-        None)."""
-        return i in self.previewed, (self.diff_steps if i in self.chosen else None)
+        """Step i's request: all of U_i at a chosen step and at the step before one (its preview),
+        with the diffusion steps to record at a chosen step; None at the other steps."""
+        if i not in self.previewed:
+            return None
+        return StepRequest(all_unknown=True,
+                           record_steps=self.diff_steps if i in self.chosen else None)
 
-    def saw(self, i, tokens, unknown, pred, pos, z, w, canvas, traj):
-        """Step i of the loop: tokens (B, L, C) the canvas it started from; unknown, pred (B, L) U_i
-        and P_i; pos (B, m) the positions the head sampled; z (B or 2B, L, D) ([cond; null] rows
-        with guidance); w its guidance; canvas (B, L, C) with the head's result at `pos`; traj: the
-        head's recorded transitions ((K, B·m, C) each), or None."""
+    def saw(self, view):
+        """Step `view.i` of the loop (a mar.StepView: the canvas it started from, U_i, P_i, the
+        positions the head sampled, z, w, the canvas with the head's result, its transitions)."""
+        i, tokens, unknown, written, pos, z, w, canvas, traj = view
         B, L, C = tokens.shape
         if self.z_final is None:
             self.z_final = torch.zeros(B, L, z.shape[-1], device=z.device)
             self.z_final_null = torch.zeros_like(self.z_final) if z.shape[0] == 2 * B else None
             self.cfg_final = torch.ones(B, L, device=z.device)
-        self.z_final = torch.where(pred[..., None], z[:B], self.z_final)
+        self.z_final = torch.where(written[..., None], z[:B], self.z_final)
         if self.z_final_null is not None:
-            self.z_final_null = torch.where(pred[..., None], z[B:], self.z_final_null)
-        self.cfg_final = self.cfg_final.masked_fill(pred, float(w))
+            self.z_final_null = torch.where(written[..., None], z[B:], self.z_final_null)
+        self.cfg_final = self.cfg_final.masked_fill(written, float(w))
         if i in self.previewed:
             self.previews[i] = canvas
         if i in self.chosen:
             K, n = len(self.diff_steps), pos.shape[1]
             self.steps.append(StepRecord(
-                i=i, tokens=tokens, unknown=unknown, pred=pred, unk_idx=pos, cfg=float(w),
+                i=i, tokens=tokens, unknown=unknown, written=written, unk_idx=pos, cfg=float(w),
                 diff_steps=traj["steps"],
                 **{key: traj[key].reshape(K, B, n, C) for key in ("x_t", "x_prev", "std", "logp")},
                 preview=canvas, preview_prev=self.previews.get(i - 1)))
@@ -157,3 +152,24 @@ def record_rollout(model, inputs, num_iter, cfg=1.0, cfg_schedule="linear", temp
     tokens = model.generate(cond, orders, num_iter, cfg, cfg_schedule, temperature, generator,
                             observer=recorder)
     return tokens, recorder.record(orders, tokens)
+
+
+# -----------------------------------------------------------------------------
+# Notes: where this file departs from the released trainers
+#
+# "Released" is the MAR-GRPO code, GitHub `AMAP-ML/mar-grpo@fcb7969`: the samplers that record a
+# rollout, src/grpo/src/diffnext/models/transformers/transformer_3d.py (NOVA, `generate_frame`; z
+# recomputed by `single_forward_without_head`) and
+# src/grpo/src/harmon/harmon_generate_image_with_logp.py (Harmon, `sample_with_logp`), and the
+# trainers that read it, src/grpo/src/open_r1/trainer/grpo_trainer_nova_v1_2.py and
+# grpo_trainer_harmon_v1_2.py.
+#
+# Where this departs from the released trainers:
+# 1. The released trainers run the head on all L positions at kept steps; this file runs it on U_i,
+#    which gives the same distribution for the positions that matter for less work.
+# 2. The released Harmon trainer stores U_{i+1} as step i's unknown set, and the released NOVA
+#    trainer recomputes z with a canvas frame the sampler never saw; so their recomputed z is not
+#    the rollout's. This record holds exactly what the sampler fed the model, and recorded and
+#    recomputed log-probabilities agree (tested for MAR, Harmon and NOVA).
+# 3. With no chosen steps, the recorder changes nothing: a rollout and `MAR.sample_tokens` with the
+#    same generator are the same images (tested).

@@ -35,8 +35,8 @@ COPY_SETS = {
         assert masks.top_k_mask(u, 0.3).sum() == 6
         final, prev, cur = torch.randn(3, 2, 10, 4)
         unknown = torch.ones(2, 10, dtype=torch.bool)
-        pred = torch.zeros_like(unknown); pred[:, 0] = True
-        W = masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.0)
+        written = torch.zeros_like(unknown); written[:, 0] = True
+        W = masks.consistency_mask(cur, prev, final, unknown, written, threshold=0.0)
         assert W[:, 0].all() and W.shape == (2, 10)"""),
     "diffloss": (["diffloss.py"], """
         head = diffloss.DiffLoss(4, 8, depth=1, width=16, num_sampling_steps=6)
@@ -87,7 +87,7 @@ COPY_SETS = {
                             z[B:].gather(1, unk[..., None].expand(-1, -1, 8)).reshape(-1, 8)])
         _, t = model.diffloss.sample(z_rows, 1.0, 2.0, torch.Generator().manual_seed(0),
                                      record_steps=[3, 1])
-        step = types.SimpleNamespace(tokens=torch.zeros(B, L, 4), unknown=unknown, pred=unknown,
+        step = types.SimpleNamespace(tokens=torch.zeros(B, L, 4), unknown=unknown, written=unknown,
                                      unk_idx=unk, cfg=2.0, diff_steps=t["steps"],
                                      preview=torch.randn(B, L, 4), preview_prev=None,
                                      **{k: t[k].reshape(2, B, 2, 4)
@@ -199,19 +199,19 @@ def test_consistency_mask_hand_built():
     cur = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]])
     # Δsim = [1, -1, 0, 0.7071, 0]
     unknown = torch.tensor([[True, True, True, True, False]])
-    pred = torch.tensor([[False, True, False, False, False]])
+    written = torch.tensor([[False, True, False, False, False]])
     torch.testing.assert_close(masks.delta_sim(cur, prev, final),
                                torch.tensor([[1.0, -1.0, 0.0, 0.7071068, 0.0]]))
-    W = masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.0)
+    W = masks.consistency_mask(cur, prev, final, unknown, written, threshold=0.0)
     # Δsim = 0 is not > κ; P always kept; K never
     assert W.tolist() == [[True, True, False, True, False]]
-    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=0.8).tolist()
+    assert (masks.consistency_mask(cur, prev, final, unknown, written, threshold=0.8).tolist()
             == [[True, True, False, False, False]])
-    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=-0.5).tolist()
+    assert (masks.consistency_mask(cur, prev, final, unknown, written, threshold=-0.5).tolist()
             == [[True, True, True, True, False]])
     # first AR step
-    assert masks.consistency_mask(cur, None, final, unknown, pred).tolist() == unknown.tolist()
-    assert (masks.consistency_mask(cur, prev, final, unknown, pred, threshold=None).tolist()
+    assert masks.consistency_mask(cur, None, final, unknown, written).tolist() == unknown.tolist()
+    assert (masks.consistency_mask(cur, prev, final, unknown, written, threshold=None).tolist()
             == unknown.tolist())
 
 
@@ -272,13 +272,14 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
     record, cond = make_rollout(model)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
 
-    def grads(cfg, old=None):
+    def grads(cfg, old_logp=None):
         model.zero_grad()
-        loss, stats, new_old = grpo.ar_step_loss(model, model, record, 1, cond, adv, cfg, old=old)
+        loss, stats, old_logp = grpo.ar_step_loss(model, model, record, 1, cond, adv, cfg,
+                                                  old_logp=old_logp)
         loss.backward()
         return (loss.detach(),
                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                new_old, stats)
+                old_logp, stats)
 
     l1, g1, old, _ = grads(settings("mar-grpo", mte_trajectories=0, beta=0.0, inner_epochs=1))
     # first epoch: clip cannot bind
@@ -289,7 +290,7 @@ def test_inner_epochs_1_is_the_released_objective_and_ppo_reuses_old_logp():
     with torch.no_grad():
         model.decoder_embed.weight.add_(0.5 * torch.randn_like(model.decoder_embed.weight))
     _, _, _, stats = grads(settings("mar-grpo", mte_trajectories=0, beta=0.0, inner_epochs=3,
-                                    clip_eps=0.01), old=old)
+                                    clip_eps=0.01), old_logp=old)
     assert stats["ratio_max_dev"] > 0.01 and stats["clip_frac"] > 0
 
 
@@ -351,13 +352,13 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     assert torch.equal(built(traj["x0"], 0.5), uncertain)
     differ = 0
     for j, step in enumerate(record.steps):
-        restricted = uncertain & step.pred  # (B, L)
+        restricted = uncertain & step.written  # (B, L)
         want, _ = grad(j, released, restricted)
         got, stats = grad(j, predicted, uncertain)
         broad, _ = grad(j, released, uncertain)
         assert torch.equal(got, want)
         assert stats["uncertain_frac"] == restricted.gather(1, step.unk_idx).float().mean().item()
-        if (uncertain & ~step.pred & step.unknown).any():  # uncertain unknown tokens outside P_i
+        if (uncertain & ~step.written & step.unknown).any():  # uncertain unknown tokens outside P_i
             assert not torch.allclose(got, broad)
             differ += 1
     assert differ  # the rollout has a step where the two variants differ
@@ -413,10 +414,10 @@ def test_policy_positions_predicted_keeps_exactly_the_tokens_written_at_the_step
     predicted = settings("mar-grpo", beta=0.0, policy_positions="predicted")
     got = loss_and_grads(model, record, cond, adv, predicted)
     # P_i ⊊ U_i: the test can tell
-    assert all(0 < s.pred.sum() < s.unknown.sum() for s in record.steps[1:])
+    assert all(0 < s.written.sum() < s.unknown.sum() for s in record.steps[1:])
     real = masks.consistency_mask
     monkeypatch.setattr(masks, "consistency_mask",
-                        lambda preview, prev, final, unknown, pred, threshold: pred & unknown)
+                        lambda preview, prev, final, unknown, written, threshold: written & unknown)
     want = loss_and_grads(model, record, cond, adv, released)
     monkeypatch.setattr(masks, "consistency_mask", real)
     broad = loss_and_grads(model, record, cond, adv, released)

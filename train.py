@@ -27,10 +27,10 @@ a torchrun relaunch after a failure resumes by itself (docs/faults.md, infra/run
 import argparse
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -48,13 +48,14 @@ from infra.flags import (FRACTION, NONNEG_FLOAT, NONNEG_INT, POS_FLOAT, POS_INT,
 from infra.processes import SEED_STAGES, Ctx, all_finite
 from infra.run_folder import RunFolder
 from models import loading
+from scorers import registry
 
 # -----------------------------------------------------------------------------
 # The paper's settings (docs/method.md §6-§8: L = −mean_i (P_i − β KL_i), its variants, the
 # released values): a value is the default written here, replaced by the --preset's
 # (infra/flags.PRESETS: the released runs, the demo), then by the --method's variant
 # (grpo.METHODS), then by a flag given. How a rollout samples (N, T, guidance w and its schedule,
-# τ) is infra/flags.sampling_flags, which evaluate.py shares.
+# τ) is infra/flags.sampling_flags, which the paper's table shares.
 
 
 def paper_flags(p):
@@ -95,7 +96,7 @@ def paper_flags(p):
     a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
     # the reward
     a("--reward", default="shapes",
-      help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5 (rewards.py)")
+      help="reward spec, e.g. shapes or hpsv2:1.0,pickscore:0.5 (scorers/registry.py)")
     a("--reward-norm", default="none", choices=["none", "group-minmax"],
       help="combine the rewards as the weighted sum of their raw values, or of each min-max "
            "normalised within its group (the released normalize_multi_rewards)")
@@ -106,75 +107,23 @@ policy evaluated on the same prompts and seeds, each at every τ of --eval-tempe
 names a group of defaults (infra/flags.py: the released runs, the demo); a flag given wins."""
 
 
-def build_parser(extra=()):
-    """train.py's parser: the paper's settings, then infra/flags.py's groups, then `extra` groups
-    ([(title, add(group))], e.g. the lab's: experiments/lab.py)."""
-    groups = [("the paper's settings", paper_flags), *flags.SHARED, *extra]
+def build_parser(ext):
+    """train.py's parser: the paper's settings, then infra/flags.py's groups, then the groups of
+    the Extensions `ext` (e.g. the lab's: experiments/lab.py)."""
+    groups = [("the paper's settings", paper_flags), *flags.SHARED, *ext.flag_groups]
     return flags.build_parser(groups, DESCRIPTION)
 
 
-def parse_args(argv=None, extra=()):
-    """The flags over the --method's variant over the preset over the defaults (a Namespace)."""
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    p = build_parser(extra)
-    args, preset = flags.parse_with_preset(p, flags.PRESETS, argv)
-    given = flags.given(argv, p)
-    for name, value in grpo.METHODS[args.method].items():
-        if name not in given:  # the variant's, unless its own flag was given
-            setattr(args, name, value)
-    args.out = args.out or os.path.join("runs", preset)
-    if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-        args.resume = "auto"  # torchrun relaunched the job after a failure: continue it
-    return args
+def parse_args(argv=None, ext=None):
+    """The flags over the --method's variant over the preset over the defaults (a Namespace;
+    infra/flags.parse_run_args). ext: Extensions whose flags the parser also takes (None: none)."""
+    return flags.parse_run_args(build_parser(ext or PAPER), argv, grpo.METHODS)
 
 
 def grpo_settings(args):
     """The objective's settings (grpo.GRPOSettings) of parsed flags."""
     values = {f.name: getattr(args, f.name) for f in fields(grpo.GRPOSettings)}
     return grpo.GRPOSettings(**values).validate()
-
-
-def check_inputs(args, world):
-    """Cross-flag rules and files, before any work: a bad one raises a one-line ValueError /
-    FileNotFoundError / PermissionError naming it. Reads, never writes. world: the number of
-    processes. Returns the GRPO settings."""
-    settings = grpo_settings(args)
-    if args.init is None:
-        raise ValueError("--init: give the base checkpoint to train or evaluate (a preset's, or "
-                         "one of python -m demo.pretrain)")
-    if not os.path.exists(args.init):
-        raise FileNotFoundError(f"--init: no such file: {args.init}")
-    if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own steps: grpo_train
-        raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below "
-                         f"T − 1 = {args.num_sampling_steps - 1}")
-    for flag, value in (("--lora", args.lora), ("--fsdp", args.fsdp)):
-        if value and args.eval_only:
-            raise ValueError(f"{flag}: changes how GRPO trains; --eval-only trains no GRPO policy")
-    if args.lora and settings.train_head:
-        raise ValueError(f"--lora {args.lora}: the diffusion head stays frozen under LoRA (drop "
-                         "--train-head; --method grpo trains the head)")
-    if args.fsdp and world < 2:
-        raise ValueError("--fsdp: shards over the processes of torchrun; with one there is nothing "
-                         "to shard (torchrun --nproc_per_node=N train.py ..., N >= 2)")
-    if args.fsdp and (settings.train_head or args.lora):
-        why = ("a trained head is not sharded (drop --train-head / --method grpo, or --fsdp)"
-               if settings.train_head else
-               "--lora trains its adapters alone, too small to shard: use --lora without --fsdp")
-        raise ValueError(f"--fsdp: shards the transformer's trained weights; {why}")
-    if args.prompts_per_step % (world * args.grad_accum):
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world "
-                         f"size {world} × --grad-accum {args.grad_accum} (each prompt's group is "
-                         "generated in one micro-batch)")
-    flags.check_model_inputs(args, [name for name, _ in rewards.parse_reward_spec(args.reward)])
-    loading.check_prompt_files(args)
-    ckpt_dir = os.path.join(args.out, "ckpt")
-    again = " (--resume auto starts fresh if none)"
-    if args.resume == "yes" and not checkpoints.checkpoint_names(ckpt_dir):
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}{again}")
-    readable = checkpoints.newest_training_state(ckpt_dir, lambda message: None, mmap=True)
-    if args.resume == "yes" and readable is None:
-        raise ValueError(f"--resume: no checkpoint in {ckpt_dir} can be read{again}")
-    return settings
 
 
 # -----------------------------------------------------------------------------
@@ -184,8 +133,9 @@ def check_inputs(args, world):
 class MicroBatch:
     """What a GRPO step's update needs from one micro-batch of B = prompts × G images: condition
     inputs; record (rollout.RolloutRecord); images (B, 3, H, W); texts; scores, adv (B,); info
-    (the reward's extras); trajectories (MTE's S trajectories, or None); olds (per trained AR
-    step, ℓ_old after the first inner epoch); seconds (stage times)."""
+    (the reward's extras); trajectories (MTE's S trajectories, or None); old_logp (per trained AR
+    step, its ℓ_old after the first inner epoch: grpo.ar_step_loss's `old_logp`); seconds (the
+    micro-batch's t_rollout, t_reward and t_mte)."""
     inputs: dict
     record: rollout.RolloutRecord
     images: torch.Tensor
@@ -194,7 +144,7 @@ class MicroBatch:
     adv: torch.Tensor
     info: dict
     trajectories: dict | None
-    olds: list
+    old_logp: list
     seconds: dict
 
 
@@ -206,9 +156,9 @@ class PolicyLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ref, batch, j, settings, old):
+    def forward(self, ref, batch, j, settings, old_logp):
         return grpo.ar_step_loss(self.model, ref, batch.record, j, batch.inputs, batch.adv,
-                                 settings, batch.trajectories, old)
+                                 settings, batch.trajectories, old_logp)
 
 
 def backward_batch(loss_module, ref, batch, settings, autocast, scale=1.0, sync=True):
@@ -216,7 +166,7 @@ def backward_batch(loss_module, ref, batch, settings, autocast, scale=1.0, sync=
     / #steps, one step at a time (each graph is freed before the next). Under DDP the all-reduce
     happens once, on the last step when `sync` (False for all but a step's last micro-batch).
     Forward passes run under `autocast`, backward outside it; scale: 1/A for one of A accumulated
-    micro-batches. Updates batch.olds; returns a list of dicts of 0-dim tensors (each with the
+    micro-batches. Updates batch.old_logp; returns a list of dicts of 0-dim tensors (each with the
     step's "loss"), read with one sync by the caller."""
     n = len(batch.record.steps)
     stats = []
@@ -224,7 +174,8 @@ def backward_batch(loss_module, ref, batch, settings, autocast, scale=1.0, sync=
         defer = isinstance(loss_module, DDP) and not (sync and j == n - 1)
         with loss_module.no_sync() if defer else contextlib.nullcontext():
             with autocast():
-                loss, s, batch.olds[j] = loss_module(ref, batch, j, settings, batch.olds[j])
+                loss, s, batch.old_logp[j] = loss_module(ref, batch, j, settings,
+                                                         batch.old_logp[j])
             (loss / n * scale).backward()
         stats.append({**s, "loss": loss.detach()})
     return stats
@@ -262,17 +213,19 @@ def group_diversity(images, G):
     return d.sum() / (d.shape[0] * G * (G - 1))
 
 
-def step_row(args, ctx, step, batches, stats, grad_norm, stops):
+def step_row(args, ctx, step, batches, stats, grad_norm, t_update, stops):
     """The metrics row of a step, its scalars reduced over ranks (one sync for the means, one for
-    the maxima), and the stop every rank agrees on (0, or a signal's number `stops` received)."""
+    the maxima), and the stop every rank agrees on (0, or a signal's number `stops` received).
+    Seconds: t_rollout, t_reward and t_mte summed over the micro-batches, t_update the update's
+    (all its epochs and micro-batches)."""
     scores, adv = torch.cat([b.scores for b in batches]), torch.cat([b.adv for b in batches])
     images = torch.cat([b.images for b in batches])  # (B, 3, H, W)
     reward_means = [b.info.get("means", {}) for b in batches]
-    times = ("t_rollout", "t_reward", "t_update")
+    times = ("t_rollout", "t_reward", "t_mte")
     local = dict(reward_mean=scores.mean(), reward_std=scores.std() if len(scores) > 1 else 0.0,
                  adv_abs_mean=adv.abs().mean(), adv_max=adv.max(), grad_norm=grad_norm,
                  diversity=group_diversity(images, args.group_size),
-                 **{key: sum(b.seconds[key] for b in batches) for key in times},
+                 **{key: sum(b.seconds[key] for b in batches) for key in times}, t_update=t_update,
                  **{key: torch.stack([s[key] for s in stats if key in s]).float().mean()
                     for key in stats[0] if key not in MAX_STATS},
                  **{f"reward/{name}": sum(r[name] for r in reward_means) / len(batches)
@@ -287,7 +240,7 @@ def step_row(args, ctx, step, batches, stats, grad_norm, stops):
 def build_policy(args, ctx, settings, base, make_loss):
     """The policy GRPO trains from the frozen `base` (it shares base's frozen parameters; under
     --lora it is base with adapters), its trained parameters, their AdamW optimizer, and the loss
-    module `make_loss(model)` (under DDP wrapped by it; --fsdp shards the policy instead)."""
+    module `make_loss(model, args)` (under DDP wrapped by it; --fsdp shards the policy instead)."""
     if args.lora:  # the adapters alone train
         model = lora.policy(base, lora.spec(base, args.lora), args.seed)
     else:
@@ -297,7 +250,7 @@ def build_policy(args, ctx, settings, base, make_loss):
         fsdp.shard(model, ctx.world, ctx.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    loss_module = make_loss(model)
+    loss_module = make_loss(model, args)
     if ctx.ddp and not args.fsdp:  # FSDP reduces the gradients itself (infra/fsdp.py)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         loss_module = DDP(loss_module, device_ids=device_ids)
@@ -307,20 +260,49 @@ def build_policy(args, ctx, settings, base, make_loss):
 # -----------------------------------------------------------------------------
 # GRPO
 
-def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, folder,
-               make_loss=PolicyLoss, choose_steps=grpo.choose_train_steps):
+def paper_loss(model, args):
+    """The update's loss module of the paper: L of grpo.ar_step_loss (`PolicyLoss`)."""
+    return PolicyLoss(model)
+
+
+def paper_steps(args, num_ar_steps, n_trained, trainable, n_diff, generator):
+    """A rollout's trained AR and diffusion steps as the paper draws them
+    (grpo.choose_train_steps)."""
+    return grpo.choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator)
+
+
+@dataclass(frozen=True)
+class Extensions:
+    """What a caller adds to train.py's run, given once to `main` (the lab's: experiments/lab.py):
+    flag groups after train.py's own ([(title, add(group))]), the update's loss module
+    make_loss(model, args), and the draw of a rollout's trained steps choose_steps(args, ...) with
+    `paper_steps`' signature. The defaults are the paper's."""
+    flag_groups: tuple = ()
+    make_loss: Callable = paper_loss
+    choose_steps: Callable = paper_steps
+
+
+PAPER = Extensions()
+
+
+def shard_generator(ctx, stage, step, shard):
+    """The torch.Generator of GRPO step `step`'s draws of `stage` ("train_steps", "rollout",
+    "mte": infra/processes.SEED_STAGES) for micro-batch `shard`, on the run's device."""
+    return ctx.generator(SEED_STAGES[stage], step, shard=shard)
+
+
+def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, folder, ext=PAPER):
     """RL from the frozen base policy `base` (the KL's reference; under --lora the policy with its
-    adapters off), writing to `folder` (infra/run_folder.RunFolder). make_loss(model): the
-    update's loss module; choose_steps: grpo.choose_train_steps's signature (the lab passes its
-    variants: experiments/lab.py). Returns the last checkpoint's path."""
-    model, params, opt, loss_module = build_policy(args, ctx, settings, base, make_loss)
+    adapters off), writing to `folder` (infra/run_folder.RunFolder), with the loss module and the
+    choice of trained steps of `ext` (Extensions). Returns the last checkpoint's path."""
+    model, params, opt, loss_module = build_policy(args, ctx, settings, base, ext.make_loss)
     candidates = [k for k in model.diffloss.trainable_steps() if k >= args.min_diff_step]
     if not candidates:
         raise ValueError(f"--min-diff-step {args.min_diff_step}: the head trains steps "
                          f"{list(model.diffloss.trainable_steps())}")
-    num_ar = len(model.ar_schedule(args.num_iter, model.seq_len))
+    num_ar_steps = len(model.ar_schedule(args.num_iter, model.seq_len))  # N
     G, shards = args.group_size, ctx.world * args.grad_accum
-    per_shard = args.prompts_per_step // shards  # divides: check_inputs
+    per_shard = args.prompts_per_step // shards  # divides: flags.check_run_inputs
     start = folder.resume(model, opt, args.init)
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × "
                f"G={G}, world size {ctx.world}"
@@ -334,7 +316,6 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
                      total=args.steps):
         batches = []
         for shard in range(ctx.rank * args.grad_accum, (ctx.rank + 1) * args.grad_accum):
-            draws = lambda stage: ctx.generator(SEED_STAGES[stage], step, shard=shard)  # noqa: E731
             t0 = time.time()
             items = prompts.sample(args.prompts_per_step, args.seed, step)
             items = items[shard * per_shard:(shard + 1) * per_shard]  # this micro-batch's prompts
@@ -342,12 +323,13 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
             inputs = prompts.condition(items, ctx.device)
 
             # --- rollouts: G images a prompt, recording the chosen AR and diffusion steps (§3)
-            plan = rollout.RolloutPlan(*choose_steps(num_ar, args.train_ar_steps, candidates,
-                                                     args.train_diff_steps, draws("train_steps")))
+            plan = rollout.RolloutPlan(*ext.choose_steps(
+                args, num_ar_steps, args.train_ar_steps, candidates, args.train_diff_steps,
+                shard_generator(ctx, "train_steps", step, shard)))
             with ctx.autocast():
-                tokens, record = rollout.record_rollout(model, inputs, args.num_iter, args.cfg,
-                                                        args.cfg_schedule, args.temperature, plan,
-                                                        draws("rollout"))
+                tokens, record = rollout.record_rollout(
+                    model, inputs, args.num_iter, args.cfg, args.cfg_schedule, args.temperature,
+                    plan, shard_generator(ctx, "rollout", step, shard))
                 images = codec.decode(model.unpatchify(tokens).float())  # (B, 3, H, W) in [0, 1]
             t1 = time.time()
 
@@ -366,20 +348,21 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
             if settings.mte_trajectories >= 2:
                 trajectories = mte.sample_trajectories(
                     model.diffloss, record.z_final, record.z_final_null, record.cfg_final,
-                    args.temperature, settings.mte_trajectories, plan.diff_steps, draws("mte"))
-            seconds = dict(t_rollout=t1 - t0, t_reward=t2 - t1, t_update=time.time() - t2)
-            olds = [None] * len(record.steps)  # ℓ_old per trained AR step, after the first epoch
+                    args.temperature, settings.mte_trajectories, plan.diff_steps,
+                    shard_generator(ctx, "mte", step, shard))
+            seconds = dict(t_rollout=t1 - t0, t_reward=t2 - t1, t_mte=time.time() - t2)
+            old_logp = [None] * len(record.steps)  # ℓ_old per trained AR step, from epoch 1
             batches.append(MicroBatch(inputs, record, images, texts, scores, adv, info,
-                                      trajectories, olds, seconds))
+                                      trajectories, old_logp, seconds))
 
         # --- the update: E epochs of L = −mean_i (P_i − β KL_i), a backward per AR step (§6)
         t0 = time.time()
         stats, grad_norm, skipped = update(args, ctx, settings, params, opt, loss_module, base,
                                            batches)
-        batches[-1].seconds["t_update"] += time.time() - t0
+        t_update = time.time() - t0
 
         # --- log (every rank agrees on the row and on a stop), a sample grid, a checkpoint
-        row, signum = step_row(args, ctx, step, batches, stats, grad_norm, stops)
+        row, signum = step_row(args, ctx, step, batches, stats, grad_norm, t_update, stops)
         folder.after_step(step, row, batches, model, opt, settings, skipped, signum)
     return folder.finish()
 
@@ -397,26 +380,29 @@ def load_base(args, ctx, init):
     return base, loading.load_codec(args, base, ctx.device), loading.load_prompts(args, base)
 
 
-def main(argv=None, extra=(), hooks=None):
+def main(argv=None, ext=PAPER):
     """The whole run: check the inputs, load what they name, and only then write. Returns the
-    evaluation's report or summary, or None. extra, hooks: the lab's flag groups, and a function
-    of the parsed flags returning grpo_train's keyword arguments (experiments/lab.py)."""
+    evaluation's report or summary, or None. ext: what a caller adds (Extensions; the lab's:
+    experiments/lab.py)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parse_args(argv, extra)
+    args = parse_args(argv, ext)
     ctx = Ctx(args)
-    settings = check_inputs(args, ctx.world)
+
+    # --- every flag and file checked before anything is loaded or written (one-line errors)
+    settings = grpo_settings(args)
+    flags.check_run_inputs(args, ctx.world, settings.train_head)  # cross-flag rules, --resume
+    registry.check_reward_flags(args)
+    loading.check_prompt_files(args)
 
     # --- load what the run needs; a bad file fails now, and nothing has been written yet
-    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
-    reward_fn = rewards.build_reward(args.reward, device=ctx.device, weights=weights,
-                                     server=rewards.server_settings(args))  # --reward-url
+    reward_fn = registry.build_run_reward(args, ctx.device)  # or its --reward-url server's
     base, codec, prompts = load_base(args, ctx, args.init)
     # the flags that describe the model say what it is
-    loading.describe(args, base, flags.given(argv, build_parser(extra)))
+    loading.describe(args, base, flags.given(argv, build_parser(ext)))
     run_config = {**vars(args), "grpo": vars(settings), "world_size": ctx.world,
                   "model": base.config, "base": loading.base_record(args.init)}  # config.json
     wandb = None
-    if args.wandb and ctx.master:  # optional, not in requirements.txt (check_model_inputs)
+    if args.wandb and ctx.master:  # optional, not in requirements.txt (flags.check_model_inputs)
         import wandb  # noqa: PLC0415
         wandb.init(project="mar-grpo", config=run_config)
 
@@ -427,7 +413,7 @@ def main(argv=None, extra=(), hooks=None):
                 return evaluate.eval_only(args, ctx, base, codec, prompts, reward_fn)
             folder = RunFolder(args, ctx, run_config, wandb)
             final = grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, folder,
-                               **(hooks(args) if hooks else {}))
+                               ext)
             if args.eval_prompts > 0:
                 tuned = loading.load_tuned(base, final, "--out")  # shares base's frozen parts
                 return evaluate.base_and_tuned(args, ctx, base, tuned, codec, prompts, reward_fn)
@@ -436,10 +422,10 @@ def main(argv=None, extra=(), hooks=None):
         lock.release()
 
 
-def cli(argv=None, extra=(), hooks=None):
+def cli(argv=None, ext=PAPER):
     """`python train.py ...`: main() with failures said in one line (infra/processes.cli).
     Returns the exit status."""
-    return processes.cli(lambda a: main(a, extra, hooks), argv)
+    return processes.cli(lambda a: main(a, ext), argv, stops=(rewards.RewardFailed,))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import grpo
 import mar
 import mte
-import rewards
 import rollout
 import train
 from benchmarks import memory, memory_table
@@ -43,6 +42,7 @@ from demo import shapes, verifier
 from infra import checkpoints, flags, processes
 from models.prompts import Prompts
 from models import loading, vae
+from scorers import registry
 
 METHODS = ("grpo-fixed-head", "mar-grpo")
 
@@ -91,7 +91,7 @@ def demo_setting(args, device, G=None, trajectories=None, side=1):
     torch.manual_seed(0)
     items = shapes.sample_prompts(args.prompts_per_step, np.random.default_rng(0))
     return setting(args, mar.build_mar(config), [it for it in items for _ in range(args.group_size)],
-                   Prompts("shapes"), device, vae.PixelCodec(), rewards.build_reward("shapes"), trajectories)
+                   Prompts("shapes"), device, vae.PixelCodec(), registry.build_reward("shapes"), trajectories)
 
 
 def mar_base_setting(opts, device):

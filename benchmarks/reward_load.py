@@ -31,7 +31,7 @@ import torch
 import rewards
 from demo import shapes
 from infra import checkpoints, flags, processes
-from scorers import auth, remote, server
+from scorers import auth, registry, remote, server
 
 
 def batch(n, size, seed):
@@ -45,7 +45,7 @@ def batch(n, size, seed):
 
 
 def client(url):
-    """The `server` settings of rewards.build_reward for `url`, the token from MARGRPO_REWARD_TOKEN
+    """The `server` settings of registry.build_reward for `url`, the token from MARGRPO_REWARD_TOKEN
     (scorers/auth.py: checked, never printed)."""
     return dict(url=url, token=auth.read(None, "--token-file"))
 
@@ -56,7 +56,7 @@ def percentile(values, q):
 
 def load(url, reward, clients, requests, images, size):
     """`clients` threads × `requests` calls of a batch of `images` images of `size` px. Returns the figures (dict)."""
-    fns = [rewards.build_reward(reward, server=client(url)) for _ in range(clients)]
+    fns = [registry.build_reward(reward, server=client(url)) for _ in range(clients)]
     batches = [batch(images, size, seed) for seed in range(clients)]
     latencies, start = [[] for _ in range(clients)], threading.Barrier(clients + 1)
 
@@ -83,7 +83,7 @@ def load(url, reward, clients, requests, images, size):
 def step(url, reward, n, size, repeats):
     """Median seconds to score one step's n images of `size` px, in process and served."""
     images, prompts, metas = batch(n, size, 100)
-    fns = {"in process": rewards.build_reward(reward), "served": rewards.build_reward(reward, server=client(url))}
+    fns = {"in process": registry.build_reward(reward), "served": registry.build_reward(reward, server=client(url))}
     times = {k: [] for k in fns}
     for _ in range(1 + repeats):
         for k, fn in fns.items():
@@ -119,7 +119,7 @@ def parse_args(argv):
         raise ValueError(f"--reward {args.reward}: one reward name")
     if args.url is not None:
         remote.parse_url(args.url)
-    rewards.build_reward(args.reward)  # an unknown name, or one that needs weight files, fails now
+    registry.build_reward(args.reward)  # an unknown name, or one that needs weight files, fails now
     if args.json:
         checkpoints.check_writable(os.path.dirname(os.path.abspath(args.json)), "--json")
     return args
@@ -155,4 +155,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main))
+    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))

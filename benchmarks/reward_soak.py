@@ -39,7 +39,7 @@ import torch
 import rewards
 from benchmarks import reward_load, reward_memory
 from infra import checkpoints, flags, processes
-from scorers import remote, server, wire
+from scorers import registry, remote, server, wire
 
 
 class Soak:
@@ -72,7 +72,7 @@ class Soak:
 
     def reward(self, name):
         """A client of the reward `name` that never tries a request again."""
-        return rewards.build_reward(name, server=dict(url=self.url, token=self.token, timeout=120,
+        return registry.build_reward(name, server=dict(url=self.url, token=self.token, timeout=120,
                                                       retries=0))
 
 
@@ -291,4 +291,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main))
+    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))

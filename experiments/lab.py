@@ -1,5 +1,7 @@
-"""What the lab adds to train.py and to the demo's pretraining, registered when this module is
-imported (experiments/study.py and spatial.py import it), and the command that runs them with it:
+"""What the lab adds to train.py and to the demo's pretraining, and the command that runs them with it:
+its presets and rewards are registered when this module is imported (experiments/study.py and
+spatial.py import it), its flags, loss and choice of trained steps are `LAB` (a train.Extensions),
+which it gives train.py once:
 
     python -m experiments.lab FLAGS               # train.py with FLAGS and the lab's presets, rewards and flags
     python -m experiments.lab --pretrain FLAGS    # python -m demo.pretrain with the lab's pretraining presets
@@ -33,10 +35,10 @@ imported (experiments/study.py and spatial.py import it), and the command that r
 - the rewards shapes_coverage (a deliberately hackable proxy) and shapes_relation (the relation,
   scored strictly);
 - the flag --train-ar-below N (not in the paper): the trained AR steps are drawn from the first N
-  only, the steps that place the objects.
+  only, the steps that place the objects; and --loss raft, the supervised control of
+  experiments/raft.py.
 """
 
-import functools
 import os
 import sys
 
@@ -44,11 +46,11 @@ import numpy as np
 import torch
 
 import grpo
-import rewards
 import train
 from demo import pretrain, shapes, verifier
 from experiments import raft
 from infra import flags, processes
+from scorers import registry
 
 FREE16_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bases", "free16.pt")
 FREE16_BASE_SHA256 = "a60207e9f2a68321a025568539d959753f182ded1fbbd46c7c83627d96cd36ee"
@@ -115,13 +117,20 @@ def lab_flags(p):
                    help="the update's loss: grpo, or raft (the supervised control of experiments/raft.py; not in the paper)")
 
 
-LAB = [("the lab (experiments/lab.py)", lab_flags)]  # train.py's parser, extended
+def make_loss(model, args):
+    """The update's loss module of --loss: train.py's GRPO loss, or RAFT's supervised control."""
+    return raft.RAFTLoss(model, args.group_size) if args.loss == "raft" else train.PolicyLoss(model)
 
 
-def hooks(args):
-    """grpo_train's keyword arguments for the lab's flags: the loss module and how steps are chosen."""
-    loss = {"grpo": train.PolicyLoss, "raft": lambda model: raft.RAFTLoss(model, args.group_size)}[args.loss]
-    return dict(make_loss=loss, choose_steps=functools.partial(grpo.choose_train_steps, below=args.train_ar_below))
+def choose_steps(args, num_ar_steps, n_trained, trainable, n_diff, generator):
+    """A rollout's trained steps, its AR steps drawn from the first --train-ar-below ones (0: all)."""
+    return grpo.choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator,
+                                   below=args.train_ar_below)
+
+
+# what the lab adds to train.py, given once to train.main: its flags, loss and choice of steps
+LAB = train.Extensions(flag_groups=(("the lab (experiments/lab.py)", lab_flags),), make_loss=make_loss,
+                       choose_steps=choose_steps)
 
 
 def parse_args(argv):
@@ -131,8 +140,8 @@ def parse_args(argv):
 
 flags.PRESETS.update(PRESETS)
 pretrain.PRESETS.update(PRETRAIN_PRESETS)
-rewards.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
-rewards.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
+registry.REWARDS["shapes_coverage"] = (ShapesCoverageReward, (), set())
+registry.REWARDS["shapes_relation"] = (ShapesRelationReward, (), set())
 
 
 def main(argv=None):
@@ -140,7 +149,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--pretrain"]:
         return processes.cli(pretrain.main, argv[1:])
-    return train.cli(argv, LAB, hooks)
+    return train.cli(argv, LAB)
 
 
 if __name__ == "__main__":

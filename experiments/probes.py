@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import rewards
 import rollout
 import train
 from demo import shapes, verifier
@@ -25,6 +24,7 @@ from experiments import spatial
 from infra import flags, processes
 from models.prompts import Prompts
 from models import loading, vae
+from scorers import registry
 
 
 def _coloured(tokens):
@@ -180,7 +180,7 @@ def _load_pixel_base(path, args, flag):
 
 def run_noise_probe(path, args, out):
     model = _load_pixel_base(path, args, "--noise-probe")
-    res = noise_probe(model, vae.PixelCodec(), rewards.build_reward("shapes"),
+    res = noise_probe(model, vae.PixelCodec(), registry.build_reward("shapes"),
                       args.num_iter, args.cfg, args.temperature)
     out(f"noise probe of {path} (CFG {args.cfg:g}, τ {args.temperature:g}, {args.num_iter} AR steps)")
     out(f"  reward variance within a group: orders drawn per image {res['reward_var_free_order']:.4f}, one order per "

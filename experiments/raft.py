@@ -27,8 +27,8 @@ def group_best(scores, group_size):
 
 
 class RAFTLoss(nn.Module):
-    """train.PolicyLoss's interface with the supervised loss: forward(ref, batch, j, settings, old)
-    -> (loss, stats, old). The loss of one trained AR step j is one MAE draw over the batch's best
+    """train.PolicyLoss's interface with the supervised loss: forward(ref, batch, j, settings,
+    old_logp) -> (loss, stats, old_logp). The loss of one trained AR step j is one MAE draw over the batch's best
     rollouts (so a step's loss averages as many draws as GRPO trains AR steps); 0 (with a graph, so
     every rank's backward matches) where no group's reward varies."""
 
@@ -37,10 +37,10 @@ class RAFTLoss(nn.Module):
         self.model, self.group_size = model, group_size
         self.mae = MAELoss(model)
 
-    def forward(self, ref, batch, j, settings, old):
+    def forward(self, ref, batch, j, settings, old_logp):
         with torch.no_grad():  # GRPO's statistics of this step, for the same metrics
-            _, stats, old = grpo.ar_step_loss(self.model, ref, batch.record, j, batch.inputs, batch.adv, settings,
-                                              batch.trajectories, old)
+            _, stats, old_logp = grpo.ar_step_loss(self.model, ref, batch.record, j, batch.inputs, batch.adv,
+                                                   settings, batch.trajectories, old_logp)
         best = group_best(batch.scores, self.group_size)  # (n,)
         if len(best) == 0:
             loss = sum(p.sum() * 0 for p in self.model.parameters() if p.requires_grad)
@@ -48,4 +48,4 @@ class RAFTLoss(nn.Module):
             inputs = {key: value[best] for key, value in batch.inputs.items()}
             loss = self.mae(self.model.unpatchify(batch.record.tokens[best]), **inputs)
         stats.update(raft_images=torch.tensor(float(len(best))), raft_loss=loss.detach())
-        return loss, stats, old
+        return loss, stats, old_logp

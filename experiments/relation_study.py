@@ -29,7 +29,7 @@ import evaluate
 from demo import verifier
 from experiments import lab, spatial
 from experiments.study import run_jobs, shell_chain, slug
-from infra import checkpoints, flags, processes, tables
+from infra import checkpoints, flags, processes
 
 RAFT_LR = "1e-4"
 ARMS = {  # arm -> flags
@@ -125,7 +125,7 @@ def sweep_table(name, sweep):
     for c in sweep["cells"]:
         setting = {"temperature": c["temperature"], "cfg": c["cfg"]}
         star = " *" if setting == sweep["best"] else ""
-        lines.append(f"| {name} | {tables.setting_name(setting)}{star} | {c['split']} | {c['n']} | "
+        lines.append(f"| {name} | {evaluate.setting_name(setting)}{star} | {c['split']} | {c['n']} | "
                      + describe(figures(sweep, c["split"], setting)) + " |")
     return lines
 
@@ -190,8 +190,8 @@ def report(opts, arms=None):
     head = []
     if base:
         b, u = res["base_best"], res["base_best"]["unguided"]
-        head = [f"base at its best setting ({tables.setting_name(b['setting'])}, chosen on the training split): "
-                f"held out {describe(b['heldout'])}; unguided, at {tables.setting_name(u['setting'])}: "
+        head = [f"base at its best setting ({evaluate.setting_name(b['setting'])}, chosen on the training split): "
+                f"held out {describe(b['heldout'])}; unguided, at {evaluate.setting_name(u['setting'])}: "
                 f"{describe(u['heldout'])}", ""]
     text = "\n".join(head + runs_md + [""] + summary_md + ["", "Every sweep's cells:", ""] + sweeps_md)
     with open(os.path.join(root, "relation.md"), "w") as f:

@@ -34,6 +34,7 @@ Measurements (`probe`), each on a stated set of spatial prompts and seeds:
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -42,6 +43,7 @@ import torch
 from matplotlib.figure import Figure
 
 import evaluate
+import rewards
 import train
 from demo import shapes, verifier
 from diffloss import reverse_sample
@@ -80,8 +82,39 @@ def group_signal(scores, details, G):
                both=int(both.sum()), relation_given_both=int((relation & both).sum()),
                relation_rate_given_both=float((relation & both).sum() / max(both.sum(), 1)))
     c = correct.sum(1)
-    res["pass_at"] = {k: float(np.mean([evaluate.pass_at(G, int(ci), k) for ci in c])) for k in range(1, G + 1)}
+    res["pass_at"] = {k: float(np.mean([pass_at(G, int(ci), k) for ci in c])) for k in range(1, G + 1)}
     return res
+
+
+def pass_at(n, c, k):
+    """The unbiased pass@k of n images of a prompt, c of them correct: 1 − C(n−c, k) / C(n, k),
+    the chance that k images drawn from the n hold a correct one (what sampling reaches at all)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def spatial_summary(rows, reward_names=()):
+    """evaluate.summarize of a split's rows, with this study's figures beside it: pass@k of the
+    images of each prompt (k = 1 … n, when every prompt has the same n > 1 images) and, for spatial
+    prompts, the share of all spatial images whose two objects are each drawn once with the relation
+    right ("relation_right"), the images with both objects drawn ("both") and the relation's rate
+    among them ("relation_given_both", the conditional rate, never a headline alone)."""
+    out = evaluate.summarize(rows, reward_names)
+    checked = [r for r in rows if "details" in r]
+    per_prompt = {}
+    for r in checked:
+        per_prompt.setdefault(r["prompt_index"], []).append(bool(r["details"]["correct"]))
+    if len({len(v) for v in per_prompt.values()}) == 1 and len(next(iter(per_prompt.values()))) > 1:
+        n = len(next(iter(per_prompt.values())))  # images per prompt: pass@k for k = 1 … n
+        out["pass_at"] = {k: float(np.mean([pass_at(n, sum(v), k) for v in per_prompt.values()]))
+                          for k in range(1, n + 1)}
+    spatial = [r["details"] for r in checked if r["category"] == "spatial"]
+    if spatial:
+        both = [d for d in spatial if d["present"]]
+        right = [d["relation"] is True for d in both]
+        right_once = [d["count"] and d["relation"] is True for d in spatial]
+        out.update(spatial_n=len(spatial), both=len(both), relation_right=float(np.mean(right_once)),
+                   relation_given_both=float(np.mean(right)) if both else 0.0)
+    return out
 
 
 def cell_layout(found, cell=8):
@@ -261,7 +294,8 @@ def run_summary(run, block=20):
     grad = np.array([r["grad_norm"] for r in rows])
     res = dict(steps=len(rows), reward_blocks=blocks("reward_mean"), grad_norm_mean=float(grad.mean()),
                grad_norm_cv=float(grad.std() / grad.mean()), kl_last=float(np.mean([r["kl"] for r in rows[-10:]])),
-               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r.get("t_mte", 0.0) + r["t_update"]
+                                     for r in rows])))
     if "reward/shapes_coverage" in rows[0]:
         res["verifier_blocks"] = blocks("reward/shapes")
     if os.path.exists(os.path.join(run, "eval", "summary.json")):
@@ -388,7 +422,7 @@ def sweep(args, path, out_dir, images=2, cfgs=(None,)):
     splits = {split: spatial_prompts(split) for split in ("train", "heldout")}
     temperatures = sorted({*args.eval_temperatures, args.temperature})
     return evaluate.sweep_splits(args, ctx, model, codec, prompts, splits, {"shapes": verifier.ShapesReward()},
-                                 out_dir, temperatures, cfgs)
+                                 out_dir, temperatures, cfgs, summary=spatial_summary)
 
 
 def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
@@ -408,4 +442,4 @@ def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main))
+    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))

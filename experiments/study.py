@@ -226,7 +226,8 @@ def run_record(out, steps, evals):
     rec.update(grad_norm_mean=float(grad.mean()), grad_norm_cv=float(grad.std() / grad.mean()),
                grad_norm_max=float(grad.max()), kl_last=_ends([r["kl"] for r in rows])[1],
                diversity_last=_ends([r["diversity"] for r in rows])[1],
-               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r["t_update"] for r in rows])))
+               step_s=float(np.mean([r["t_rollout"] + r["t_reward"] + r.get("t_mte", 0.0) + r["t_update"]
+                                     for r in rows])))
     return rec, rows
 
 

@@ -1,26 +1,29 @@
-"""The flags a run shares with evaluate.py, the named presets, and how flags are parsed and checked.
+"""The flags a run shares with the paper's table, the named presets, how a run's flags are parsed
+(`parse_run_args`) and how they are checked (`check_run_inputs`, `check_model_inputs`).
 
 train.py holds the paper's settings (its `paper_flags`: the objective, the GRPO loop, the reward)
-and adds them to the groups of this file: the sampling of a rollout (shared with evaluate.py, which
-samples too), the model and its weights, scale, the run, the evaluation, the reward service. A
-setting's value is its flag's default, replaced by the --preset's (`PRESETS`), then by the --method's
-variant (grpo.METHODS, train.py), then by a flag given on the command line.
+and adds them to the groups of this file: the sampling of a rollout (shared with the table of
+tables/paper.py, which samples too), the model and its weights, scale, the run, the evaluation, the
+reward service. A setting's value is its flag's default, replaced by the --preset's (`PRESETS`),
+then by the --method's variant (grpo.METHODS, given by train.py), then by a flag given on the
+command line.
 
 Checks happen in two places: a single flag's range and finiteness when it is parsed (`number`),
-cross-flag rules and files in `check_model_inputs` (here: what train.py and evaluate.py check
-alike) and train.check_inputs; a bad one raises a one-line ValueError / FileNotFoundError /
+cross-flag rules and files in `check_run_inputs` (train.py's) and `check_model_inputs` (what train.py
+and the table check alike); a bad one raises a one-line ValueError / FileNotFoundError /
 PermissionError naming the flag, which processes.cli prints as `error: ...` with exit status 2.
-This file imports only the root's reward interface and infra/: the prompt files are parsed by
-models/loading.py, the reward server's address by scorers/remote.py, both before anything is written.
+This file imports only infra/: the reward flags are checked by scorers/registry.py, the prompt files
+parsed by models/loading.py, the reward server's address by scorers/remote.py, all before anything
+is written.
 """
 
 import argparse
 import importlib.util
 import math
 import os
+import sys
 
-import rewards
-from infra import checkpoints, prompt_records
+from infra import checkpoints
 from infra.processes import Parser
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")  # the shipped bases
@@ -112,7 +115,7 @@ def POS_FLOATS(text):  # noqa: N802  (an argparse type, as the others)
 
 
 # -----------------------------------------------------------------------------
-# The groups train.py and evaluate.py share
+# The groups train.py and the table (tables/paper.py) share
 
 def sampling_flags(p):
     """How a rollout samples (docs/method.md §1): what train.py's rollouts and evaluate.py's images use."""
@@ -245,12 +248,71 @@ def given(argv, parser):
     return {a.dest for a in parser._actions if words & set(a.option_strings)}
 
 
-def check_model_inputs(args, reward_names=None):
-    """What train.py and evaluate.py check alike, before anything is loaded: the model's files exist,
-    the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, the rewards
-    (names from rewards.parse_reward_spec, or None when the run scores nothing) fit the model and
-    their weight flags parse, and --out is writable. (models.loading.check_prompt_files parses the
-    prompt files, and scorers/remote.py reads the token and asks the server, also before any write.)"""
+def parse_run_args(p, argv, methods):
+    """A training run's flags (train.py's parser `p`; argv None: the command line's): the flags given
+    over the --method's variant (`methods`, grpo.METHODS: the fields each changes) over the --preset's
+    defaults over the parser's; no --out is runs/<preset>, and a run that torchrun relaunched after a
+    failure continues (--resume auto). Returns the argparse.Namespace."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args, preset = parse_with_preset(p, PRESETS, argv)
+    on_command_line = given(argv, p)
+    for name, value in methods[args.method].items():
+        if name not in on_command_line:  # the variant's, unless its own flag was given
+            setattr(args, name, value)
+    args.out = args.out or os.path.join("runs", preset)
+    if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        args.resume = "auto"  # torchrun relaunched the job after a failure: continue it
+    return args
+
+
+def check_run_inputs(args, world, train_head):
+    """train.py's cross-flag rules and files, before any work, then `check_model_inputs` and the
+    --resume checkpoint: a bad one raises a one-line ValueError / FileNotFoundError / PermissionError
+    naming it. Reads, never writes. world: the number of processes; train_head: the GRPO settings'
+    (whether the diffusion head trains)."""
+    if args.init is None:
+        raise ValueError("--init: give the base checkpoint to train or evaluate (a preset's, or "
+                         "one of python -m demo.pretrain)")
+    if not os.path.exists(args.init):
+        raise FileNotFoundError(f"--init: no such file: {args.init}")
+    if args.min_diff_step >= args.num_sampling_steps - 1:  # the head's own steps: train.grpo_train
+        raise ValueError(f"--min-diff-step {args.min_diff_step}: no diffusion step left below "
+                         f"T − 1 = {args.num_sampling_steps - 1}")
+    for flag, value in (("--lora", args.lora), ("--fsdp", args.fsdp)):
+        if value and args.eval_only:
+            raise ValueError(f"{flag}: changes how GRPO trains; --eval-only trains no GRPO policy")
+    if args.lora and train_head:
+        raise ValueError(f"--lora {args.lora}: the diffusion head stays frozen under LoRA (drop "
+                         "--train-head; --method grpo trains the head)")
+    if args.fsdp and world < 2:
+        raise ValueError("--fsdp: shards over the processes of torchrun; with one there is nothing "
+                         "to shard (torchrun --nproc_per_node=N train.py ..., N >= 2)")
+    if args.fsdp and (train_head or args.lora):
+        why = ("a trained head is not sharded (drop --train-head / --method grpo, or --fsdp)"
+               if train_head else
+               "--lora trains its adapters alone, too small to shard: use --lora without --fsdp")
+        raise ValueError(f"--fsdp: shards the transformer's trained weights; {why}")
+    if args.prompts_per_step % (world * args.grad_accum):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must divide by the world "
+                         f"size {world} × --grad-accum {args.grad_accum} (each prompt's group is "
+                         "generated in one micro-batch)")
+    check_model_inputs(args)
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    again = " (--resume auto starts fresh if none)"
+    if args.resume == "yes" and not checkpoints.checkpoint_names(ckpt_dir):
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}{again}")
+    readable = checkpoints.newest_training_state(ckpt_dir, lambda message: None, mmap=True)
+    if args.resume == "yes" and readable is None:
+        raise ValueError(f"--resume: no checkpoint in {ckpt_dir} can be read{again}")
+
+
+def check_model_inputs(args, scores_reward=True):
+    """What train.py and the table (tables/paper.py) check alike, before anything is loaded: the model's files exist,
+    the KL-16 VAE is given where the model needs one, Harmon and NOVA have a prompt file, a reward
+    server is named only by a run that scores a --reward (`scores_reward`) and its token file exists,
+    and --out is writable. (scorers/registry.check_reward_flags checks the --reward spec and its weight
+    flags, models.loading.check_prompt_files parses the prompt files, and scorers/remote.py reads the
+    token and asks the server, also before any write.)"""
     for name in ("prompts", "vae", "tokenizer", "prompt_embeds"):
         path = getattr(args, name)
         if path is not None and not os.path.exists(path):
@@ -259,22 +321,11 @@ def check_model_inputs(args, reward_names=None):
         raise ValueError(f"--vae: --model {args.model} needs the KL-16 VAE checkpoint (kl16.ckpt)")
     if args.model in ("harmon", "nova") and args.prompts is None:
         raise ValueError(f"--prompts: --model {args.model} needs a prompt file (one prompt per line)")
-    if reward_names is not None:
-        shapes_rewards = [n for n in reward_names if n.startswith("shapes")]
-        if shapes_rewards and args.model != "small":
-            raise ValueError(f"--reward {shapes_rewards[0]} scores shapes-world prompts; --model {args.model} "
-                             "does not draw them")
-        needs_records = [n for n in reward_names if n in rewards.METADATA_REWARDS]
-        if needs_records and not (args.prompts and prompt_records.is_record_file(args.prompts)):
-            raise ValueError(f"--reward {needs_records[0]} reads the released prompt metadata: give --prompts "
-                             "FILE.jsonl (one JSON record a line, infra/prompt_records.py)"
-                             + ("" if args.prompts is None else f", not {args.prompts}"))
-        rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)  # the weight files are checked when built
     if args.reward_url is not None:  # a reward server scores: its weights and its address are its own
         if args.reward_ckpt:
             raise ValueError(f"--reward-ckpt {args.reward_ckpt[0]}: the reward server of --reward-url loads the "
                              "reward weights (python -m scorers.server --reward-ckpt KEY=PATH)")
-        if reward_names is None:
+        if not scores_reward:
             raise ValueError("--reward-url: this run scores no --reward in this process's place (the "
                              "T2I-CompBench evaluators run here); drop --reward-url")
     if args.reward_token_file is not None:

@@ -26,7 +26,7 @@ What is sharded, and why:
    resumes with or without --fsdp.
 Not sharded: a trained head (--train-head; its calls run outside the registered methods)
 and LoRA adapters (benchmarks/bench.py --memory counts them: a small fraction of the model, and the frozen
-weights they sit on stay whole anyway); flags.check_inputs refuses both with --fsdp.
+weights they sit on stay whole anyway); flags.check_run_inputs refuses both with --fsdp.
 """
 
 import re

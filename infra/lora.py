@@ -10,7 +10,7 @@ image encoder blocks. Peers train the same way: DDPO and Flow-GRPO (rank 32) fin
 
 What this file decides, and why:
 1. Only A and B train. Every weight of the model stays frozen, the diffusion head among them, as
-   MAR-GRPO wants it (flags.check_inputs refuses --lora with a trained head).
+   MAR-GRPO wants it (flags.check_run_inputs refuses --lora with a trained head).
 2. B starts at zero (peft's default), so at initialisation the policy computes exactly what its base
    computes: the same z, samples and recorded ℓ, bit for bit (adding B A x = 0 changes no value).
    A is drawn (kaiming-uniform, peft's choice) from a generator seeded by --seed, not from the
@@ -20,7 +20,7 @@ What this file decides, and why:
    with it and carries the adapters (`policy`), i.e. the same model with the adapters off. No
    second copy of any weight is held.
 5. A checkpoint holds A and B (and their optimizer state) with their settings (`settings`) and the
-   path of their base: train.py resumes from it, and --init and evaluate.py read it as its base with
+   path of their base: train.py resumes from it, and --init and the paper's table read it as its base with
    the adapters on (models/loading.load_policy). `merged_state_dict` adds (α / R) B A into each
    wrapped weight, for a whole checkpoint other tools can read (models/merge_lora.py); its samples
    equal the adapters' up to float rounding: W + B A is summed before the product with x instead of

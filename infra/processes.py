@@ -21,8 +21,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rewards import RewardFailed
-
 
 # The seed stages: every seeded draw of the project is seeded by (--seed, its stage, ...), so no two
 # kinds of draw share a random stream. numpy streams: np.random.default_rng([seed, stage, ...]).
@@ -200,11 +198,11 @@ class Stop(RuntimeError):
     reason as one line, after the traceback of the code that caused it, and exits with status 1."""
 
 
-def cli(entry, argv=None):
-    """Run `entry(argv)` (train.main, evaluate.main) with failures said in one line on stderr
+def cli(entry, argv=None, stops=()):
+    """Run `entry(argv)` (train.main, the table's main) with failures said in one line on stderr
     (`error: ...`, or `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no
-    traceback, exit status 2. A deliberate stop (Stop), a reward that failed (rewards.RewardFailed) or a
-    failed write (OSError): exit status 1.
+    traceback, exit status 2. A deliberate stop (Stop, or one of the exception types `stops`, e.g.
+    rewards.RewardFailed: a reward that failed) or a failed write (OSError): exit status 1.
     SIGINT / SIGTERM: 128 + the signal's number. Anything else is a bug and keeps Python's
     traceback. Returns the exit status."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
@@ -224,7 +222,7 @@ def cli(entry, argv=None):
     except OSError as e:  # a write failed: disk full, a folder gone (checkpoints.writing names the file)
         print(f"error{where}: {e}", file=sys.stderr)
         return 1
-    except (Stop, RewardFailed) as e:
+    except (Stop, *stops) as e:
         if e.__cause__ is not None:  # e.g. the reward's own traceback: where it failed
             traceback.print_exception(e.__cause__)
         print(f"error{where}: {e}", file=sys.stderr)

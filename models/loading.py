@@ -217,7 +217,7 @@ def check_prompt_files(args):
 
 def load_prompts(args, model, path=None, flag="--prompts"):
     """The run's Prompts: shapes prompts, class indices, or text lines encoded for the model, from
-    --prompts (or the prompt file `path` of `flag`, e.g. evaluate.py's --choose-prompts)."""
+    --prompts (or the prompt file `path` of `flag`, e.g. the paper's table's --choose-prompts)."""
     path = args.prompts if path is None else path
     if args.model == "small":
         items = read_prompt_file(path, "shapes", flag=flag) if path else None

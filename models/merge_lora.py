@@ -1,6 +1,6 @@
 """A checkpoint of `train.py --lora` written as one whole checkpoint: the base it names with the
 adapters merged into its weights, W + (α / R) B A (infra/lora.merged_state_dict), for tools that read
-a plain model. train.py (--init) and evaluate.py read the adapters' checkpoint as it is.
+a plain model. train.py (--init) and the paper's table (--ckpt) read the adapters' checkpoint as it is.
 
     python -m models.merge_lora RUN/ckpt/latest.pt merged.pt
 """

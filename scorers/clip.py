@@ -3,7 +3,7 @@
 Each is an open_clip model built with `open_clip.create_model(name, pretrained=None)` (never a
 download) and loaded strictly from a local file, plus the eval transform of the official scorer.
 They share one call signature with every reward (`rewards.Reward`) and are built by name through
-`rewards.build_reward`; the table of weight files and where they are published is in
+`registry.build_reward` (scorers/registry.py); the table of weight files and where they are published is in
 docs/real_models.md, "Rewards and their weight files".
 
 Accepted formats for every CLIP tower: a plain state dict (`.pt`/`.bin`), `{'state_dict': ...}`
@@ -42,8 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from infra import checkpoints
-from rewards import CKPT_FLAG, WEIGHT_FILES, Reward
-from scorers.weights import check_file, load_strict
+from rewards import Reward
+from scorers.weights import CKPT_FLAG, WEIGHT_FILES, check_file, load_strict
 
 # OpenAI CLIP normalisation, used by HPS, PickScore's processor, the aesthetic predictor and ImageReward.
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -16,8 +16,8 @@ evaluator, a plain mean over the images (10 per prompt there):
     complex                "3-in-1": the mean of the BLIP-VQA score and, for a prompt with a spatial
                            relation, the spatial score, otherwise the CLIP score
 
-`CompBench` is a rewards.Reward whose score of an image is its category's; evaluate.py --compbench
-prints the table (rows checkpoints, columns categories). Where this departs from the benchmark
+`CompBench` is a rewards.Reward whose score of an image is its category's; `python -m tables.paper
+--compbench` prints the table (rows checkpoints, columns categories). Where this departs from the benchmark
 (`DEPARTURES`, printed under the table): the questions, objects and counts come from the records
 (infra/prompt_records.py) instead of spaCy's parse of the prompt; the detector is GroundingDINO (the
 benchmark's UniDet has no maintained package); BLIP runs at its processor's size (384 px for HF

@@ -24,8 +24,9 @@ processor, the released run's HF `microsoft/git-large-vqav2`.
 
 import torch
 
-from rewards import CKPT_FLAG, Reward
+from rewards import Reward
 from scorers import composition_rules, detector, hf_folders
+from scorers.weights import CKPT_FLAG
 
 GIT_EXPECTED = "a GIT folder in the Hugging Face layout (HF microsoft/git-large-vqav2)"
 UNCHECKED_TASKS = ("spatial", "numeracy")  # git_vqa scores these 0

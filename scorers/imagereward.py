@@ -58,8 +58,8 @@ from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisio
 from scorers.clip import (OPENAI_MEAN, OPENAI_STD, AestheticMLP, normalize, quantize_8bit,
                           resize_shortest_side_and_center_crop)
 from infra import checkpoints
-from rewards import CKPT_FLAG, WEIGHT_FILES, Reward
-from scorers.weights import check_file, load_strict
+from rewards import Reward
+from scorers.weights import CKPT_FLAG, WEIGHT_FILES, check_file, load_strict
 
 # The published standardisation of the MLP output (ImageReward.py, `ImageReward.__init__`).
 IMAGEREWARD_MEAN = 0.16717362830052426

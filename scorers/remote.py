@@ -1,7 +1,7 @@
 """The reward server's client: a rewards.Reward whose component scores come from `python -m
 scorers.server` (scorers/server.py), summed with the spec's weights here exactly as
-rewards.WeightedSum sums them in-process. train.py and evaluate.py build it with
-`rewards.build_reward(spec, server=settings(args))` when `--reward-url URL` is given.
+rewards.WeightedSum sums them in-process. train.py and the paper's table build it with
+`registry.build_reward(spec, server=settings(args))` (scorers/registry.py) when `--reward-url URL` is given.
 
 Each call sends the batch once (scorers/wire.py: the 8-bit pixels as NPY, the prompts and each
 image's metadata as JSON) and asks for every component of the spec. What the network can do to a
@@ -72,7 +72,7 @@ def parse_url(url):
 
 
 def settings(args):
-    """The `server` argument of rewards.build_reward for a run's flags: None without --reward-url,
+    """The `server` argument of registry.build_reward for a run's flags: None without --reward-url,
     else {"url", "token", "timeout", "retries"}, the token (an auth.Secret or None) read from
     --reward-token-file or MARGRPO_REWARD_TOKEN and checked (a one-line error naming either)."""
     if args.reward_url is None:

@@ -43,9 +43,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-import rewards
 from infra import processes
-from scorers import auth, limits, wire
+from scorers import auth, limits, registry, wire
 
 TOKEN_ENV = wire.TOKEN_ENV
 MIN_TOKEN = auth.MIN_TOKEN          # characters
@@ -229,7 +228,7 @@ def parse_args(argv=None):
     p = processes.Parser(prog="python -m scorers.server", description=__doc__.split("\n\n")[0],
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--reward", required=True, help="the rewards to serve, names comma-separated (rewards.py), e.g. hpsv2,git_vqa,gdino")
+    a("--reward", required=True, help="the rewards to serve, names comma-separated (scorers/registry.py), e.g. hpsv2,git_vqa,gdino")
     a("--reward-ckpt", action="append", default=[], help="reward weights KEY=PATH (repeatable), as train.py's")
     a("--host", default="127.0.0.1", help="address to listen on (beyond loopback only with a token)")
     a("--port", type=bounded(int, 0, 65535), default=8100, help="port (0: a free one, printed)")
@@ -273,8 +272,8 @@ def bounded(kind, low, high):
 def main(argv=None):
     """Check the flags, bind the port, load the rewards, then serve until SIGINT / SIGTERM."""
     args = parse_args(argv)
-    names = [name for name, _ in rewards.parse_reward_spec(args.reward)]
-    weights = rewards.parse_reward_ckpt(args.reward_ckpt, args.reward)
+    names = [name for name, _ in registry.parse_spec(args.reward)]
+    weights = registry.parse_reward_ckpt(args.reward_ckpt, args.reward)
     token = auth.read(args.token_file, "--token-file")
     if not is_loopback(args.host) and token is None:  # also checks that --host resolves
         raise ValueError(f"--host {one_line(args.host)}: beyond loopback the server needs a shared "
@@ -293,7 +292,7 @@ def main(argv=None):
     except OSError as e:
         raise ValueError(f"--port {args.port}: cannot listen on {one_line(args.host)}:{args.port} "
                          f"({e.strerror})") from None
-    reward = rewards.build_reward(",".join(names), device=device, weights=weights)
+    reward = registry.build_reward(",".join(names), device=device, weights=weights)
     served = {name: fn for name, _, fn in reward.components}
     max_body = int(args.max_body_mb * (1 << 20))
     max_inflight = int(args.max_inflight_mb * (1 << 20)) if args.max_inflight_mb else 2 * max_body

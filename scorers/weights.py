@@ -1,10 +1,30 @@
 """The weight files of the model-based rewards: where a `--reward-ckpt KEY=PATH` must point
-(rewards.WEIGHT_FILES), and strict loading whose mismatch is one line naming the file."""
+(`WEIGHT_FILES`), and strict loading whose mismatch is one line naming the file."""
 
 from pathlib import Path
 
 from infra import checkpoints
-from rewards import CKPT_FLAG, FOLDER_KEYS, WEIGHT_FILES
+
+CKPT_FLAG = "--reward-ckpt"   # the weights flag, `--reward-ckpt key=PATH`, named in errors
+
+# weights key -> (expected file, where it is published); the table of docs/real_models.md,
+# "Rewards and their weight files".
+WEIGHT_FILES = {
+    "hpsv2": ("HPS_v2.1_compressed.pt or HPS_v2_compressed.pt", "HF xswu/HPSv2"),
+    "pickscore": ("model.safetensors", "HF yuvalkirstain/PickScore_v1"),
+    "clip_score": ("ViT-L-14.pt (or the open_clip checkpoint of model_name)",
+                   "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
+    "aesthetic": ("sac+logos+ava1-l14-linearMSE.pth",
+                  "GitHub christophschuhmann/improved-aesthetic-predictor"),
+    "aesthetic_clip": ("ViT-L-14.pt", "OpenAI CLIP release / HF openai/clip-vit-large-patch14"),
+    "imagereward": ("ImageReward.pt", "HF THUDM/ImageReward"),
+    "imagereward_tokenizer": ("a folder with the bert-base-uncased vocab.txt",
+                              "HF google-bert/bert-base-uncased"),
+    "gdino": ("a GroundingDINO folder in the HF layout", "HF IDEA-Research/grounding-dino-tiny"),
+    "git_vqa": ("a GIT folder in the HF layout", "HF microsoft/git-large-vqav2"),
+}
+# weights keys that name a folder, not a file
+FOLDER_KEYS = {"imagereward_tokenizer", "gdino", "git_vqa"}
 
 
 def check_file(path, key):

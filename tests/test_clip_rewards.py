@@ -17,8 +17,8 @@ from PIL import Image
 from safetensors.torch import save_file
 from torchvision.transforms import InterpolationMode
 
-import rewards
 from scorers import clip as clip_rewards
+from scorers import registry
 
 TINY = "rewards-test-tiny"        # 32 px, patch 8, width 32, 2 layers, embed 16
 TINY_WIDE = "rewards-test-wide"   # same but width 48: a file that does not fit TINY
@@ -149,7 +149,7 @@ def test_center_crop_matches_pil_reference():
 def test_hpsv2_score_is_cosine(tiny_configs, tmp_path, fmt):
     model = tiny_model(1)
     path = save_weights(model, tmp_path / f"HPS_v2.1_compressed.{fmt}", fmt)
-    reward = rewards.build_reward("hpsv2", weights={"hpsv2": path}, model_name=TINY)
+    reward = registry.build_reward("hpsv2", weights={"hpsv2": path}, model_name=TINY)
     x = images_batch(0)                                           # (4, 3, 40, 24): non-square, padded
     scores, info = reward(x, PROMPTS, None)
     with torch.no_grad():
@@ -165,7 +165,7 @@ def test_hpsv2_score_is_cosine(tiny_configs, tmp_path, fmt):
 def test_batch_order_does_not_change_scores(tiny_configs, tmp_path):
     hps = save_weights(tiny_model(2), tmp_path / "hps.pt", "state_dict")
     pick = save_weights(tiny_model(3, logit_scale=80.0), tmp_path / "model.safetensors", "hf")
-    reward = rewards.build_reward("hpsv2,pickscore", weights={"hpsv2": hps, "pickscore": pick}, model_name=TINY)
+    reward = registry.build_reward("hpsv2,pickscore", weights={"hpsv2": hps, "pickscore": pick}, model_name=TINY)
     x = images_batch(5, b=6, h=32, w=32)
     prompts = PROMPTS + ["a red circle", "three yellow squares"]
     scores, info = reward(x, prompts, None)
@@ -211,7 +211,7 @@ def test_pickscore_converter_round_trip(tiny_configs):
 def test_pickscore_is_logit_scale_times_cosine(tiny_configs, tmp_path):
     model = tiny_model(5, logit_scale=50.0)
     path = save_weights(model, tmp_path / "model.safetensors", "hf")
-    reward = rewards.build_reward("pickscore", weights={"pickscore": path}, model_name=TINY)
+    reward = registry.build_reward("pickscore", weights={"pickscore": path}, model_name=TINY)
     x = images_batch(6, h=48, w=40)                               # shortest side 40 -> 32, centre crop
     scores, _ = reward(x, PROMPTS, None)
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_pickscore_is_logit_scale_times_cosine(tiny_configs, tmp_path):
 def test_clip_score_is_100_cosine(tiny_configs, tmp_path):
     model = tiny_model(6)
     path = save_weights(model, tmp_path / "open_clip_model.safetensors", "safetensors")
-    reward = rewards.build_reward("clip_score", weights={"clip_score": path}, options={"clip_score": {"model_name": TINY}})
+    reward = registry.build_reward("clip_score", weights={"clip_score": path}, options={"clip_score": {"model_name": TINY}})
     x = images_batch(7, h=32, w=32)
     scores, _ = reward(x, PROMPTS, None)
     with torch.no_grad():
@@ -232,7 +232,7 @@ def test_clip_score_is_100_cosine(tiny_configs, tmp_path):
     assert torch.allclose(scores, 100 * cosine(img, txt), atol=1e-3)
     model.text_projection.data.neg_()                             # flips every cosine: no clamp at 0
     path = save_weights(model, tmp_path / "flipped.bin", "plain")
-    flipped, _ = rewards.build_reward("clip_score", weights={"clip_score": path}, model_name=TINY)(x, PROMPTS, None)
+    flipped, _ = registry.build_reward("clip_score", weights={"clip_score": path}, model_name=TINY)(x, PROMPTS, None)
     assert torch.allclose(flipped, -scores, atol=1e-3) and (flipped < 0).any()
 
 
@@ -243,7 +243,7 @@ def test_aesthetic_is_linear_head_on_normalised_embedding(tiny_configs, tmp_path
     head = clip_rewards.AestheticMLP(16)
     torch.save(head.state_dict(), tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
     assert sorted(head.state_dict()) == sorted(f"layers.{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
-    reward = rewards.build_reward("aesthetic", model_name=TINY, weights={
+    reward = registry.build_reward("aesthetic", model_name=TINY, weights={
         "aesthetic": str(tmp_path / "sac+logos+ava1-l14-linearMSE.pth"), "aesthetic_clip": clip})
     x = images_batch(9, h=40, w=40)
     scores, _ = reward(x, PROMPTS, None)
@@ -263,11 +263,11 @@ def test_multi_reward_with_per_reward_files(tiny_configs, tmp_path):
     weights = {"hpsv2": save_weights(hps_model, tmp_path / "HPS_v2_compressed.pt", "state_dict"),
                "pickscore": save_weights(pick_model, tmp_path / "model.safetensors", "hf"),
                "aesthetic": "/not/used/when/aesthetic/is/not/in/the/spec.pth"}
-    reward = rewards.build_reward("hpsv2:1.0,pickscore:0.5", weights=weights, model_name=TINY)
+    reward = registry.build_reward("hpsv2:1.0,pickscore:0.5", weights=weights, model_name=TINY)
     x = images_batch(12, h=32, w=32)
     scores, info = reward(x, PROMPTS, None)
-    hps_alone, _ = rewards.build_reward("hpsv2", weights=weights, model_name=TINY)(x, PROMPTS, None)
-    pick_alone, _ = rewards.build_reward("pickscore", weights=weights, model_name=TINY)(x, PROMPTS, None)
+    hps_alone, _ = registry.build_reward("hpsv2", weights=weights, model_name=TINY)(x, PROMPTS, None)
+    pick_alone, _ = registry.build_reward("pickscore", weights=weights, model_name=TINY)(x, PROMPTS, None)
     assert torch.allclose(scores, hps_alone + 0.5 * pick_alone, atol=1e-4)
     assert info["means"]["hpsv2"] == pytest.approx(hps_alone.mean().item(), abs=1e-5)
     assert info["means"]["pickscore"] == pytest.approx(pick_alone.mean().item(), abs=1e-3)
@@ -280,8 +280,8 @@ def test_rewards_on_cuda_match_cpu(tiny_configs, tmp_path):
     pick = save_weights(tiny_model(14, logit_scale=90.0), tmp_path / "model.safetensors", "hf")
     spec, weights = "hpsv2,pickscore:0.5,jpeg_incompressibility:0.01", {"hpsv2": hps, "pickscore": pick}
     x = images_batch(15, h=48, w=40)
-    cpu, _ = rewards.build_reward(spec, weights=weights, model_name=TINY)(x, PROMPTS, None)
-    gpu, info = rewards.build_reward(spec, device="cuda", weights=weights, model_name=TINY)(x.cuda(), PROMPTS, None)
+    cpu, _ = registry.build_reward(spec, weights=weights, model_name=TINY)(x, PROMPTS, None)
+    gpu, info = registry.build_reward(spec, device="cuda", weights=weights, model_name=TINY)(x.cuda(), PROMPTS, None)
     assert gpu.device.type == "cpu" and info["components"]["hpsv2"].device.type == "cpu"
     assert torch.allclose(gpu, cpu, atol=1e-3)
 

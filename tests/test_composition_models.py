@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import rewards
 from infra import prompt_records
 from scorers import composition_rules as cr
-from scorers import detector, hf_folders
+from scorers import detector, hf_folders, registry
+from tables import paper
 from tests.helpers import FIXTURES
 from tests.test_composition import box
 
@@ -142,7 +142,7 @@ def test_the_detector_scores_each_noun_by_the_mean_of_its_tokens(folders):
 
 def test_git_vqa_is_the_yes_share_of_the_next_token(folders):
     from transformers import GitForCausalLM, GitProcessor
-    reward = rewards.build_reward("git_vqa", weights={"git_vqa": str(folders["git"])})
+    reward = registry.build_reward("git_vqa", weights={"git_vqa": str(folders["git"])})
     recs = records_of("color", "spatial", "non", "numeracy")
     scores, info = reward(images(2), [r["prompt"] for r in recs], recs)
     model = GitForCausalLM.from_pretrained(str(folders["git"])).eval()
@@ -163,8 +163,8 @@ def test_git_vqa_is_the_yes_share_of_the_next_token(folders):
 
 def test_gdino_reward_and_its_released_variant(folders):
     recs = records_of("spatial", "numeracy", "color", "object")
-    fixed = rewards.build_reward("gdino", weights={"gdino": str(folders["gdino"])})
-    released = rewards.build_reward("gdino_released", weights={"gdino": str(folders["gdino"])})
+    fixed = registry.build_reward("gdino", weights={"gdino": str(folders["gdino"])})
+    released = registry.build_reward("gdino_released", weights={"gdino": str(folders["gdino"])})
     a, _ = fixed(images(3), [r["prompt"] for r in recs], recs)
     b, _ = released(images(3), [r["prompt"] for r in recs], recs)
     det = detector.Detector(str(folders["gdino"]), "--reward-ckpt gdino").detect(images(3), [r["nouns"] for r in recs])
@@ -178,13 +178,13 @@ def test_a_wrong_folder_is_one_line_naming_it(folders, tmp_path):
     import shutil
     for name, key, folder in (("gdino", "gdino", folders["git"]), ("git_vqa", "git_vqa", folders["gdino"])):
         with pytest.raises(ValueError, match=rf"--reward-ckpt {key}={re.escape(str(folder))}: config.json is a"):
-            rewards.build_reward(name, weights={key: str(folder)})
+            registry.build_reward(name, weights={key: str(folder)})
     with pytest.raises(FileNotFoundError, match=r"--reward-ckpt gdino=FOLDER is required"):
-        rewards.build_reward("gdino")
+        registry.build_reward("gdino")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        rewards.build_reward("gdino", weights={"gdino": str(empty)})
+        registry.build_reward("gdino", weights={"gdino": str(empty)})
     # weights that lack a tensor: refused, not started from random values
     broken = tmp_path / "broken"
     shutil.copytree(folders["git"], broken)
@@ -193,14 +193,14 @@ def test_a_wrong_folder_is_one_line_naming_it(folders, tmp_path):
     sd.pop(next(k for k in sd if k.endswith("output.weight")))
     save_file(sd, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"the weights do not fit its config.json \(GitForCausalLM\): missing") as e:
-        rewards.build_reward("git_vqa", weights={"git_vqa": str(broken)})
+        registry.build_reward("git_vqa", weights={"git_vqa": str(broken)})
     assert "\n" not in str(e.value)
     no_tok = tmp_path / "no_tok"
     shutil.copytree(folders["git"], no_tok)
     for f in no_tok.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(ValueError, match=r"no tokenizer files \(tokenizer.json or vocab.txt\)"):
-        rewards.build_reward("git_vqa", weights={"git_vqa": str(no_tok)})
+        registry.build_reward("git_vqa", weights={"git_vqa": str(no_tok)})
 
 
 # -----------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tin
              "--preset", "adapter_smoke", "--model", "nova", "--prompt-embeds", tmp_path / "embeds.pt", "--prompts", prompts,
              "--images-per-prompt", 2, "--batch-size", 4, "--out", out]
     capsys.readouterr()
-    assert evaluate.cli([str(f) for f in flags]) == 0, capsys.readouterr().err[-2000:]
+    assert paper.cli([str(f) for f in flags]) == 0, capsys.readouterr().err[-2000:]
     printed = capsys.readouterr().out
     table = json.loads((out / "table.json").read_text())
     rows = [json.loads(line) for line in (out / "base" / "scores.jsonl").read_text().splitlines()]
@@ -330,7 +330,7 @@ def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tin
     assert "| checkpoint | Color | Shape | Texture | Spatial | Non-spatial | Complex | Numeracy |" in printed
     assert "GroundingDINO" in printed  # the departures are printed under the table
     # the table needs the records and its three weights, said in one line before any work
-    code = evaluate.cli([str(f) for f in flags[:2] + ["--compbench"] + flags[6:]])
+    code = paper.cli([str(f) for f in flags[:2] + ["--compbench"] + flags[6:]])
     err = capsys.readouterr().err
     assert code == 2 and "--compbench-ckpt blip_vqa=PATH is required" in err and len(err.strip().splitlines()) == 1
 

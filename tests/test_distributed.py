@@ -21,13 +21,13 @@ import diffloss
 import evaluate
 import grpo
 import mte
-import rewards
 import rollout
 import train
 from benchmarks.memory import saved_activation_bytes
 from diffloss import DiffLoss
 from infra import processes
 from models import loading
+from scorers import registry
 from tests import helpers, test_harmon, test_nova
 from tests.test_train_adapters import DDPM, FLOW, harmon_flags, nova_flags, save_nova_pipeline
 from tests.helpers import settings
@@ -205,7 +205,7 @@ def _eval_worker(rank, world, port, base, out_dir):
         model, codec, prompts = train.load_base(args, ctx, base)
         items = prompts.eval_items(4, args.seed)  # one prompt of each of the 4 categories
         rows = evaluate.generate_and_score(args, ctx, model, codec, prompts, items,
-                                           {"shapes": rewards.build_reward("shapes")}, os.path.join(out_dir, "eval"))
+                                           {"shapes": registry.build_reward("shapes")}, os.path.join(out_dir, "eval"))
         torch.save(rows, os.path.join(out_dir, f"rows{rank}.pt"))
     finally:
         dist.all_gather_object = gathered_everywhere
@@ -226,7 +226,7 @@ def test_evaluation_writes_each_ranks_images_and_gathers_the_rows(smoke_base, tm
     ctx = processes.Ctx(args)
     model, codec, prompts = train.load_base(args, ctx, str(smoke_base))
     one = evaluate.generate_and_score(args, ctx, model, codec, prompts, prompts.eval_items(4, args.seed),
-                                      {"shapes": rewards.build_reward("shapes")}, str(tmp_path / "one"))
+                                      {"shapes": registry.build_reward("shapes")}, str(tmp_path / "one"))
     assert one == rows[0]
     for r in one:
         assert (tmp_path / "one" / r["file"]).read_bytes() == (tmp_path / "eval" / r["file"]).read_bytes()

@@ -1,4 +1,5 @@
-"""Tests of the paper's table (`python evaluate.py --ckpt NAME=PATH ...`), in this process, on the CPU.
+"""Tests of the paper's table (`python -m tables.paper --ckpt NAME=PATH ...`) and of evaluate.py's generation
+and sweep under it, in this process, on the CPU.
 
 Two small-MAR checkpoints in train.py's format ({"model", "config"}: a random one and a perturbed
 copy), two shapes prompts, 2 images per prompt, and three rewards: `shapes`, `jpeg_incompressibility`
@@ -24,12 +25,14 @@ from PIL import Image
 
 import evaluate
 import mar
-import rewards
 import train
 from demo import pretrain, shapes, verifier
+from experiments import spatial
 from infra import processes
 from models import loading, vae
 from scorers import clip as clip_rewards
+from scorers import registry
+from tables import paper
 from tests.helpers import ADAPTER_PROMPTS as NOVA_PROMPTS
 from tests.test_train_adapters import DDPM, save_nova_pipeline
 
@@ -41,9 +44,9 @@ SAMPLING = ["--preset", "smoke", "--num-iter", "2", "--num-sampling-steps", "4",
 
 
 def run(capsys, *flags):
-    """evaluate.cli in this process. Returns (exit status, stdout, stderr)."""
+    """tables.paper.cli in this process. Returns (exit status, stdout, stderr)."""
     capsys.readouterr()
-    code = evaluate.cli([str(f) for f in flags])
+    code = paper.cli([str(f) for f in flags])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -87,7 +90,7 @@ def save_tiny_hps(folder, name=TINY_CLIP, layers=2, seed=2):
 def tiny_hps(monkeypatch, name=TINY_CLIP):
     """`--reward hpsv2` builds HPS on the tiny open_clip architecture `name` (its real loading path)."""
     factory = lambda **kw: clip_rewards.HPSv2Reward(model_name=name, **kw)
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
+    monkeypatch.setitem(registry.REWARDS, "hpsv2", (factory, ("hpsv2",), set()))
 
 
 def table_flags(files, out, *ckpts, batch=3, reward="shapes,jpeg_incompressibility,hpsv2"):
@@ -102,7 +105,7 @@ def table_run(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("table")
     with pytest.MonkeyPatch.context() as mp:
         tiny_hps(mp)
-        table = evaluate.main(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}", "--ckpt",
+        table = paper.main(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}", "--ckpt",
                                           f"tuned={files / 'tuned.pt'}", "--ckpt", f"again={files / 'base.pt'}"))
     return out, table
 
@@ -140,8 +143,8 @@ def test_hps_is_printed_times_100_and_scores_are_the_rewards_of_the_pngs(table_r
     col = next(c for c in table["columns"] if c["key"] == "hpsv2")
     assert col["scale"] == 100.0 and col["label"] == "HPS v2 (×100)"
     tiny_hps(monkeypatch)
-    hps = rewards.build_reward("hpsv2", weights={"hpsv2": str(files / "HPS_tiny.pt")})
-    jpeg = rewards.build_reward("jpeg_incompressibility")
+    hps = registry.build_reward("hpsv2", weights={"hpsv2": str(files / "HPS_tiny.pt")})
+    jpeg = registry.build_reward("jpeg_incompressibility")
     for row in table["rows"]:
         scores = read_scores(out / row["name"])
         pngs = torch.stack([torch.from_numpy(read_png(out / row["name"] / s["file"])).permute(2, 0, 1) for s in scores])
@@ -161,7 +164,7 @@ def test_images_are_the_seeded_batches_and_differ_between_checkpoints(table_run,
         assert np.array_equal(read_png(out / "base" / n), read_png(out / "again" / n))
         assert not np.array_equal(read_png(out / "base" / n), read_png(out / "tuned" / n))
     # by hand: batch b = jobs [3b, 3b + 3) of (prompt, image), generator seeded by (seed, SEED_STAGE, b)
-    args, _ = evaluate.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
+    args, _ = paper.parse_table_args(table_flags(files, out, "--ckpt", f"base={files / 'base.pt'}"))
     model = loading.load_policy(args, str(files / "base.pt"))
     prompts = loading.load_prompts(args, model)
     jobs = [(i, j) for i in range(2) for j in range(2)]
@@ -184,7 +187,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
     for s in read_scores(second / "b"):
         assert np.array_equal(read_png(second / "b" / s["file"]), read_png(out / "base" / s["file"]))
     # rank 1 of 2 generates batches 1, 3, ... with the same generators as one process does
-    args, _ = evaluate.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
+    args, _ = paper.parse_table_args(table_flags(files, tmp_path / "r1", "--ckpt", f"b={files / 'base.pt'}"))
 
     class Rank1:
         rank, world, ddp, master, device = 1, 2, False, False, torch.device("cpu")
@@ -193,7 +196,7 @@ def test_same_images_in_a_second_run_and_on_rank_1_of_2(table_run, files, tmp_pa
 
     model = loading.load_policy(args, str(files / "base.pt"))
     prompts = loading.load_prompts(args, model)
-    reward_fns = {"jpeg_incompressibility": rewards.build_reward("jpeg_incompressibility")}
+    reward_fns = {"jpeg_incompressibility": registry.build_reward("jpeg_incompressibility")}
     rows = evaluate.generate_and_score(args, Rank1(), model, vae.PixelCodec(), prompts, prompts.items, reward_fns,
                                        str(tmp_path / "r1" / "b"))
     assert [(r["prompt_index"], r["image_index"]) for r in rows] == [(1, 1)]  # batch 1 = job 3 alone
@@ -312,16 +315,17 @@ def test_failure_modes_and_the_partial_reward_on_hand_made_images(kind):
     image, meta = layout_images(kind)
     score, details = verifier.verify(image, meta)
     assert verifier.failure(details) == {"right": "correct"}.get(kind, kind)
-    partial, _ = rewards.build_reward("shapes_partial")(torch.from_numpy(image).permute(2, 0, 1)[None], [meta["prompt"]])
+    partial, _ = registry.build_reward("shapes_partial")(torch.from_numpy(image).permute(2, 0, 1)[None], [meta["prompt"]])
     want = {"right": 1.0, "wrong relation": 0.5, "missing object": 0.25, "wrong count": 0.25, "extra object": 0.5}[kind]
     assert partial.item() == pytest.approx(want)
-    empty, _ = rewards.build_reward("shapes_partial")(torch.zeros(1, 3, 16, 16), [meta["prompt"]])
+    empty, _ = registry.build_reward("shapes_partial")(torch.zeros(1, 3, 16, 16), [meta["prompt"]])
     assert empty.item() == 0.0 < partial.item()  # a partly right image is paid more than an empty one
 
 
 def test_summary_counts_every_image_and_relation_given_both_beside_it():
-    """Five images, one of each mode: strict accuracy 1/5 of all images; relation right (both objects
-    drawn once, relation holds, extras allowed) 2/5; relation | both among the 4 with both objects."""
+    """Five images, one of each mode: strict accuracy 1/5 of all images; the spatial study's relation
+    right (both objects drawn once, relation holds, extras allowed) 2/5; relation | both among the 4
+    with both objects."""
     rows = []
     for i, kind in enumerate(["right", "wrong relation", "missing object", "wrong count", "extra object"]):
         image, meta = layout_images(kind)
@@ -330,6 +334,10 @@ def test_summary_counts_every_image_and_relation_given_both_beside_it():
     s = evaluate.summarize(rows, ["shapes"])
     assert s["n"] == 5 and s["accuracy"] == pytest.approx(0.2)
     assert s["failures"] == {m: pytest.approx(0.2) for m in verifier.FAILURES}
+    assert "both" not in s and "pass_at" not in s  # the spatial study's figures are its own
+    s = spatial.spatial_summary(rows, ["shapes"])
+    assert s == {**evaluate.summarize(rows, ["shapes"]), **{k: s[k] for k in ("spatial_n", "both", "relation_right",
+                                                                            "relation_given_both")}}
     # right and extra hold it; the copy's relation is read off the first of its equal instances, here not
     assert s["both"] == 4 and s["relation_given_both"] == pytest.approx(2 / 4)
     assert s["relation_right"] == pytest.approx(2 / 5)
@@ -357,7 +365,7 @@ def test_each_model_is_scored_at_its_best_tau_and_the_gain_is_against_the_bases_
     ctx = processes.Ctx(args)
     prompts = loading.load_prompts(args, None)
     splits = {"heldout": prompts.eval_items(8, 0, "heldout"), "train": prompts.eval_items(8, 0, "train")}
-    report = {tag: evaluate.sweep_splits(args, ctx, m, None, prompts, splits, {"shapes": rewards.build_reward("shapes")},
+    report = {tag: evaluate.sweep_splits(args, ctx, m, None, prompts, splits, {"shapes": registry.build_reward("shapes")},
                                          str(tmp_path / tag), [0.1, 0.2, 0.5, 1.0])
               for tag, m in (("base", base), ("tuned", tuned))}
     assert report["base"]["best"] == {"temperature": 0.2, "cfg": None}
@@ -423,7 +431,7 @@ def test_train_pys_report_with_guidance_weights_includes_the_runs_own(tmp_path, 
                              "--eval-temperatures", "0.5,1"])
     ctx = processes.Ctx(args)
     report = evaluate.base_and_tuned(args, ctx, base, tuned, None, loading.load_prompts(args, None),
-                                     rewards.build_reward("shapes"))
+                                     registry.build_reward("shapes"))
     assert {c["cfg"] for c in report["base"]["cells"]} == {1.0, 2.0, 3.0}
     assert f"at τ {args.temperature:g}, w 3" in capsys.readouterr().out
     assert (tmp_path / "eval" / "base_vs_tuned.png").exists()

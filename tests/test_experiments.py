@@ -12,12 +12,12 @@ import torch
 import diffloss
 import evaluate
 import grpo
-import rewards
 from benchmarks import harmon_lora_step
 from demo import shapes, verifier
 from demo.pretrain import MAELoss
 from experiments import lab, probes, raft, relation_study, spatial, study
 from models import harmon, loading, vae
+from scorers import registry
 from tests import test_harmon
 from tests.helpers import make_rollout, settings, tiny_mar
 from train import MicroBatch
@@ -31,10 +31,10 @@ def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_fo
     img[:, :2, 1, :2] = 1.0                                                      # 2 yellow pixels
     img[:, 2, 3, 3] = 0.6                                                        # 1 blue-ish pixel
     prompts = ["a red square", "a green circle and a yellow square"]
-    scores, _ = rewards.build_reward("shapes_coverage")(img, prompts, None)
+    scores, _ = registry.build_reward("shapes_coverage")(img, prompts, None)
     assert scores.tolist() == pytest.approx([4 / 16, (0 / 16 + 2 / 16) / 2])
     # the study's spec: trained on the proxy, the verifier logged beside it with weight 0
-    total, info = rewards.build_reward("shapes_coverage:1,shapes:0")(img, prompts, None)
+    total, info = registry.build_reward("shapes_coverage:1,shapes:0")(img, prompts, None)
     assert torch.equal(total, scores) and set(info["means"]) == {"shapes_coverage", "shapes"}
     # hackable: an all-red canvas beats a correct render of "a red square" on the proxy, not on the verifier
     meta = shapes.parse_prompt("a red square")
@@ -43,11 +43,11 @@ def test_shapes_coverage_is_the_mean_fraction_of_the_prompts_colours_and_pays_fo
     painted[:, 0] = 1.0
     painted[:, 0, 8, :] = 0.0                                                    # two red bars, no square
     both = torch.cat([render, painted]).float()
-    proxy, _ = rewards.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
-    truth, _ = rewards.build_reward("shapes")(both, ["a red square"] * 2, None)
+    proxy, _ = registry.build_reward("shapes_coverage")(both, ["a red square"] * 2, None)
+    truth, _ = registry.build_reward("shapes")(both, ["a red square"] * 2, None)
     assert proxy[1] == 15 / 16 > proxy[0] > 0 and truth[0] == 1.0 and truth[1] < 0.5
     with pytest.raises(ValueError, match="shapes_coverage reward: 'a photo of a cat' is not a shapes prompt"):
-        rewards.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
+        registry.build_reward("shapes_coverage")(img[:1], ["a photo of a cat"], None)
 
 
 def test_context_probe_metric(smoke_base, monkeypatch):
@@ -121,7 +121,7 @@ def test_noise_probe_finds_the_draws_that_decide(smoke_base, monkeypatch):
     head = model.diffloss
     last_noise = lambda x, t, z, cfg=1.0: (x if int(t) == 0 else 0 * x, 0 * x, x)  # noqa: E731  (mean, log σ², x̂0)
     monkeypatch.setattr(head, "p_mean_variance", last_noise)
-    res = probes.noise_probe(model, vae.PixelCodec(), rewards.build_reward("shapes"), num_iter=4, cfg=3.0,
+    res = probes.noise_probe(model, vae.PixelCodec(), registry.build_reward("shapes"), num_iter=4, cfg=3.0,
                             n_prompts=3, group=2)
     assert set(res["flip_at_step"]) == set(range(1, head.num_sampling_steps))
     assert all(res["flip_at_step"][k] == 0 for k in res["flip_at_step"] if k > 1)
@@ -150,7 +150,7 @@ def test_spatial_group_signal_counts_groups_relations_and_best_of_n():
     assert r["groups_any_correct"] == 0.5 and r["groups_any_relation"] == 1.0 and r["groups_reward_varies"] == 0.5
     assert (r["both"], r["relation_given_both"]) == (4, 2) and r["relation_rate_given_both"] == 0.5
     assert r["pass_at"] == pytest.approx({1: 1 / 6, 2: (2 / 3) / 2, 3: 0.5})
-    assert evaluate.pass_at(6, 0, 3) == 0 and evaluate.pass_at(6, 4, 3) == 1 and evaluate.pass_at(6, 1, 1) == pytest.approx(1 / 6)
+    assert spatial.pass_at(6, 0, 3) == 0 and spatial.pass_at(6, 4, 3) == 1 and spatial.pass_at(6, 1, 1) == pytest.approx(1 / 6)
     assert r["reward_var_within"] == pytest.approx(np.var([1.0, 0.5, 0.2], ddof=1) / 2)
 
 
@@ -169,9 +169,9 @@ def test_spatial_relation_reward_and_layout_on_renders():
     single = shapes.render(shapes.parse_prompt("a blue square"), size=16, rng=np.random.default_rng(1), cell=8)
     batch = torch.from_numpy(np.stack([img, mirrored, copied, single])).permute(0, 3, 1, 2).float() / 255
     texts = ["a red square left of a green circle"] * 3 + ["a blue square"]
-    r, _ = rewards.build_reward("shapes_relation")(batch, texts, None)
+    r, _ = registry.build_reward("shapes_relation")(batch, texts, None)
     assert r.tolist() == [1.0, 0.0, 0.0, 1.0]
-    full, details = rewards.build_reward("shapes")(batch, texts, None)
+    full, details = registry.build_reward("shapes")(batch, texts, None)
     assert full.tolist() == [1.0, 0.5, 0.9375, 1.0]  # relation wrong halves the score; a copy costs a sixteenth
     assert details["details"][2]["relation"] is True and not details["details"][2]["count"]
     layout = spatial.cell_layout(verifier.verify(img, meta)[1]["detected"])

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 import grpo
 import rollout
 import train
-from infra import fsdp
+from infra import flags, fsdp
 from models import loading
 from tests.test_distributed import _rank_env, assert_same_training, free_port, run_train, tiny
 from tests.helpers import settings
@@ -38,8 +38,9 @@ def test_two_sharded_processes_train_and_resume_as_one_process(smoke_base, tmp_p
 def test_what_fsdp_does_not_shard_is_one_line(smoke_base, more, words):
     args = train.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp", *more])
     with pytest.raises(ValueError, match=words):
-        train.check_inputs(args, world=2)
-    train.check_inputs(train.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp"]), 2)
+        flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
+    args = train.parse_args(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--fsdp"])
+    flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
 
 
 # -----------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rewards
-from scorers import imagereward
+from scorers import imagereward, registry
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072     # ImageReward.__init__ in the official code
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -188,7 +187,7 @@ def images_batch(seed, b=5, h=40, w=48):
 
 def build(path, tokenizer_dir, **options):
     weights = {"imagereward": str(path), "imagereward_tokenizer": str(tokenizer_dir)}
-    return rewards.build_reward("imagereward", weights=weights, options={"imagereward": {"arch": TINY, **options}})
+    return registry.build_reward("imagereward", weights=weights, options={"imagereward": {"arch": TINY, **options}})
 
 
 def one_line(excinfo):
@@ -249,7 +248,7 @@ def test_default_arch_has_the_released_v1_shapes():
 
 def test_missing_files_name_the_flag(tmp_path, tokenizer_dir):
     with pytest.raises(FileNotFoundError) as e:
-        rewards.build_reward("imagereward", weights={"imagereward_tokenizer": str(tokenizer_dir)})
+        registry.build_reward("imagereward", weights={"imagereward_tokenizer": str(tokenizer_dir)})
     assert one_line(e) and "--reward-ckpt imagereward=PATH is required" in str(e.value)
     assert "ImageReward.pt" in str(e.value) and "THUDM/ImageReward" in str(e.value)
     missing = tmp_path / "ImageReward.pt"
@@ -264,7 +263,7 @@ def test_missing_files_name_the_flag(tmp_path, tokenizer_dir):
     with pytest.raises(FileNotFoundError) as e:
         build(missing, tmp_path / "empty")
     assert one_line(e) and f"imagereward_tokenizer={tmp_path / 'empty'}: no vocab.txt" in str(e.value)
-    got = rewards.parse_reward_ckpt(["imagereward=/w/ImageReward.pt,imagereward_tokenizer=/w/bert"], "imagereward")
+    got = registry.parse_reward_ckpt(["imagereward=/w/ImageReward.pt,imagereward_tokenizer=/w/bert"], "imagereward")
     assert got == {"imagereward": "/w/ImageReward.pt", "imagereward_tokenizer": "/w/bert"}
 
 
@@ -294,7 +293,7 @@ def test_mismatched_checkpoint_and_tokenizer_name_the_file(tmp_path, tokenizer_d
         build(tmp_path / "ImageReward.pt", small_vocab)
     assert one_line(e) and str(small_vocab) in str(e.value) and f"{TINY['vocab_size']}" in str(e.value)
     with pytest.raises(ValueError, match="unknown fields"):
-        rewards.build_reward("imagereward", weights={"imagereward": str(tmp_path / "ImageReward.pt"),
+        registry.build_reward("imagereward", weights={"imagereward": str(tmp_path / "ImageReward.pt"),
                                                      "imagereward_tokenizer": str(tokenizer_dir)},
                              options={"imagereward": {"arch": dict(TINY, depth=3)}})
 
@@ -304,7 +303,7 @@ def test_cuda_matches_cpu(tmp_path, tokenizer_dir):
     torch.save(released_state_dict(TINY, seed=5), tmp_path / "ImageReward.pt")
     x = images_batch(6)
     cpu, _ = build(tmp_path / "ImageReward.pt", tokenizer_dir)(x, PROMPTS, None)
-    gpu_reward = rewards.build_reward("imagereward", device="cuda", weights={
+    gpu_reward = registry.build_reward("imagereward", device="cuda", weights={
         "imagereward": str(tmp_path / "ImageReward.pt"), "imagereward_tokenizer": str(tokenizer_dir)},
         options={"imagereward": {"arch": TINY}})
     gpu, _ = gpu_reward(x.cuda(), PROMPTS, None)

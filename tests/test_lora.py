@@ -15,6 +15,7 @@ import train
 from infra import lora
 from infra.processes import cli as run
 from models import loading, merge_lora, vae
+from tables import paper
 from tests.helpers import cli, grpo_flags, load, metrics, settings
 from tests.test_distributed import tiny
 from tests.test_wiring import lively_base
@@ -128,14 +129,14 @@ def test_checkpoints_hold_the_adapters_and_resume_bit_for_bit(lora_run, tmp_path
 def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, tmp_path, capsys):
     """The adapters' checkpoint loads (loading.load_policy) as its base with the adapters on; merged
     into a whole checkpoint (models/merge_lora.py) it samples the same images up to float rounding;
-    --eval-only and evaluate.py take both."""
+    --eval-only and the paper's table take both."""
     (lora_run, base_path), merged = lora_run, tmp_path / "merged.pt"
     path = lora_run / "ckpt" / "latest.pt"
     assert merge_lora.main([str(path), str(merged)]) is None
     args = train.parse_args(["--preset", "smoke"])
     ckpt = load(path)
     base = loading.load_policy(args, str(base_path))
-    adapters = loading.load_policy(args, str(path))  # what --init and evaluate.py load from the adapters
+    adapters = loading.load_policy(args, str(path))  # what --init and the paper's table load from the adapters
     assert lora.settings(adapters) == ckpt["lora"]
     assert all(torch.equal(dict(adapters.named_parameters())[k], v) for k, v in ckpt["model"].items())
     whole = loading.load_policy(args, str(merged))  # ... and from the merged checkpoint
@@ -149,7 +150,7 @@ def test_merged_checkpoint_samples_as_the_adapters_and_init_takes_it(lora_run, t
         code, _, err = cli(capsys, "--preset", "smoke", "--eval-only", "--init", init, "--eval-prompts", "2",
                            "--out", tmp_path / f"eval_{init.name}")
         assert code == 0, err
-    table = evaluate.main(["--preset", "smoke", "--ckpt", f"base={base_path}", "--ckpt", f"lora={path}",
+    table = paper.main(["--preset", "smoke", "--ckpt", f"base={base_path}", "--ckpt", f"lora={path}",
                            "--ckpt", f"merged={merged}", "--reward", "jpeg_incompressibility", "--out", str(tmp_path / "table")])
     cells = {row["name"]: row["cells"]["jpeg_incompressibility"]["mean"] for row in table["rows"]}
     assert cells["lora"] == pytest.approx(cells["merged"], rel=1e-3) and cells["lora"] != cells["base"]

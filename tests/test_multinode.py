@@ -3,7 +3,7 @@ the loopback address), two processes each, train the smoke pipeline as one 4-pro
 across a checkpoint and --resume. The 4-process run is written as its equal, one process with
 --grad-accum 4 (test_distributed.py checks that A processes and 1 process × A micro-batches train
 alike). The nodes share the run folder (rank 0 writes it; every rank reads its checkpoints on
---resume), the base and the prompts (every rank reads them), as the README's command asks."""
+--resume), the base and the prompts (every rank reads them), as docs/real_models.md's command asks."""
 
 import os
 import subprocess

@@ -55,7 +55,7 @@ def record_rollout(model, condition, ar_steps, diff_steps, num_iter, cfg, temper
     sampling steps; cfg: guidance w (linear schedule); temperature: τ.
     returns (record: what the code's loss takes,
              view: dict final (B, L, C) tokens, steps: one dict per trained AR step, in order, with
-               i, canvas (B, L, C) tokens fed to f_θ, unknown (B, L) U_i, pred (B, L) P_i, w (float),
+               i, canvas (B, L, C) tokens fed to f_θ, unknown (B, L) U_i, written (B, L) P_i, w (float),
                k (K,) sampling steps, x_t / x_prev / std (K, B, L, C) the recorded transitions of
                U_i scattered to their positions (0 / 0 / 1 elsewhere), logp (K, B, L, C) the
                recorded ℓ (0 elsewhere), preview (B, L, C) x̂0^(i), preview_prev (B, L, C) x̂0^(i−1)
@@ -72,7 +72,7 @@ def record_rollout(model, condition, ar_steps, diff_steps, num_iter, cfg, temper
 
         def scatter(packed, fill):  # (K, B, n, C) packed on U_i -> (K, B, L, C)
             return torch.full((K, B, L, C), fill, dtype=packed.dtype).scatter(2, idx, packed)
-        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), pred=s.pred.bool(), w=float(s.cfg),
+        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), written=s.written.bool(), w=float(s.cfg),
                           k=s.diff_steps, x_t=scatter(s.x_t, 0.0), x_prev=scatter(s.x_prev, 0.0),
                           std=scatter(s.std, 1.0), logp=scatter(s.logp, 0.0), preview=s.preview,
                           preview_prev=s.preview_prev))
@@ -90,15 +90,15 @@ def draw_mte(model, record, num_trajectories, top_k, temperature, generator):
     return traj, {key: traj[key] for key in ("x_t", "x_prev", "std", "x0")}
 
 
-def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old=None):
+def step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old_logp=None):
     """The code's loss of trained AR step j, −(P_i − β KL_i), and what a later inner epoch needs.
 
     model / ref: policy and reference; adv: (B,); gcfg: grpo.GRPOSettings; mte_in: from `draw_mte`
-    (or None); old: the second return value of this step's first-epoch call (None in it).
-    returns (loss scalar with gradient, old)
+    (or None); old_logp: the step's ℓ_old, the second return value of its first-epoch call (None in it).
+    returns (loss scalar with gradient, old_logp)
     """
-    loss, _, new_old = grpo.ar_step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old)
-    return loss, new_old
+    loss, _, old_logp = grpo.ar_step_loss(model, ref, record, j, condition, adv, gcfg, mte_in, old_logp)
+    return loss, old_logp
 
 
 # -----------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def hand_keep(st, final, kappa):
     """W = U ∧ (1[Δsim > κ] ∨ P); W = U at the first AR step (no previous preview)."""
     if st["preview_prev"] is None:
         return st["unknown"].clone()
-    return st["unknown"] & ((hand_delta_sim(st, final) > kappa) | st["pred"])
+    return st["unknown"] & ((hand_delta_sim(st, final) > kappa) | st["written"])
 
 
 def hand_objective(pol, ref, view, traj, condition, adv, beta, kl, kappa, top_k, old_pol=None, clip_eps=None):
@@ -286,15 +286,16 @@ def assert_grads_match(g_code, g_hand, named, what):
                      f"{len(named)} parameters (max |Δ| / max |∇L|): {bad[:6]}")
 
 
-def code_objective(case, policy_model, gc, olds=None):
-    """−mean_i of the code's per-step losses (the mean is pinned by the backward_rollout tests)."""
-    losses, new_olds = [], []
+def code_objective(case, policy_model, gc, old_logp=None):
+    """−mean_i of the code's per-step losses (the mean is pinned by the backward_rollout tests) and
+    each step's ℓ_old for later epochs."""
+    losses, kept_old_logp = [], []
     for j in range(len(case.view["steps"])):
         loss, old = step_loss(policy_model, case.ref, case.record, j, case.condition, ADV, gc, case.mte_in,
-                              None if olds is None else olds[j])
+                              None if old_logp is None else old_logp[j])
         losses.append(loss)
-        new_olds.append(old)
-    return torch.stack(losses), new_olds
+        kept_old_logp.append(old)
+    return torch.stack(losses), kept_old_logp
 
 
 def step_table(code_losses, parts):
@@ -327,20 +328,20 @@ def test_the_tiny_case_exercises_every_term(case):
             # the KL is a visible part of every step's value (the reference differs): flipping its
             # sign or zeroing it moves the step's loss by ≥ 100 × TOL relative
             assert BETA * p["KL"] > 100 * TOL * (p["P"] - BETA * p["KL"]).abs(), (kl, p["KL"], p["P"])
-    n_kept_not_pred = n_dropped = 0
+    n_kept_not_written = n_dropped = 0
     for st, p in zip(view["steps"], parts):
         U, W, M = p["U"], p["W"], p["M"]
         assert (W & ~U).sum() == 0 and (M & ~U).sum() == 0
         if st["preview_prev"] is not None:  # consistency active: keeps some tokens, drops others
-            n_kept_not_pred += (W & ~st["pred"]).sum().item()
+            n_kept_not_written += (W & ~st["written"]).sum().item()
             n_dropped += (U & ~W).sum().item()
         # MTE at some unknown positions of more than one image, the single trajectory at others
         assert M.any(1).sum() >= 2 and (U & ~M).any()
         assert (W & M).any() and (W & ~M).any()
-    assert n_kept_not_pred > 0 and n_dropped > 0, (n_kept_not_pred, n_dropped)
+    assert n_kept_not_written > 0 and n_dropped > 0, (n_kept_not_written, n_dropped)
     # with κ = KAPPA_HIGH some tokens written at their step fail Δsim > κ: "∨ P_i" alone keeps them
     # (with κ = 0 it never matters: a written token's preview is its final value, so Δsim > 0)
-    assert any(((hand_delta_sim(st, view["final"]) <= KAPPA_HIGH) & st["pred"]).any()
+    assert any(((hand_delta_sim(st, view["final"]) <= KAPPA_HIGH) & st["written"]).any()
                for st in view["steps"] if st["preview_prev"] is not None)
     assert view["steps"][0]["preview_prev"] is None  # the first AR step keeps all of U_0
     # the MTE terms carry gradient (in the first epoch their value is A, their gradient is not)
@@ -371,11 +372,11 @@ def test_later_ppo_epoch_value_and_gradient_match_hand_computation(case):
     trajectories, ℓ_old from the first epoch, PPO clipping binding on some kept elements."""
     eps, kl = 0.2, "k3"
     gc = gcfg(kl, inner_epochs=2, clip_eps=eps)
-    _, olds = code_objective(case, case.model, gc)  # first epoch, θ_old = the rollout policy
+    _, old_logp = code_objective(case, case.model, gc)  # first epoch, θ_old = the rollout policy
     moved = copy.deepcopy(case.model)
     perturb(moved, 0.02, torch.Generator().manual_seed(4))
     named = params_of(moved)
-    code_losses, _ = code_objective(case, moved, gc, olds)
+    code_losses, _ = code_objective(case, moved, gc, old_logp)
     L_hand, parts = hand_objective(moved, case.ref, case.view, case.traj, case.condition, ADV, BETA, kl, KAPPA,
                                    TOP_K, old_pol=case.model, clip_eps=eps)
     # the case is informative: ratios leave 1, and clipping binds on some kept elements, not all

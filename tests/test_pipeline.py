@@ -44,7 +44,7 @@ def test_smoke_pipeline_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ["reward_mean", "reward_std", "adv_abs_mean", "kl", "policy_term", "grad_norm", "keep_frac",
-                "uncertain_frac", "t_rollout", "t_reward", "t_update", "logp_parity_err", "diversity", "reward/shapes"]:
+                "uncertain_frac", "t_rollout", "t_reward", "t_mte", "t_update", "logp_parity_err", "diversity", "reward/shapes"]:
         assert key in rows[0] and math.isfinite(rows[0][key]), key
     assert max(r["logp_parity_err"] for r in rows) < 1e-4
     line = json.loads((out / "eval/tuned/tau1/heldout/scores.jsonl").read_text().splitlines()[0])

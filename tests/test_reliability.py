@@ -21,10 +21,11 @@ import evaluate
 import mar
 import rewards
 import train
-from demo import pretrain
+from demo import pretrain, verifier
 from experiments import lab
-from infra import checkpoints
+from infra import checkpoints, flags
 from models import loading
+from scorers import clip, registry
 from tests.helpers import ENV, TRAIN, cli, grpo_flags, load, metrics, snapshot
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
@@ -134,8 +135,9 @@ def test_empty_out_is_one_line(capsys):
 def test_batch_that_does_not_divide_by_the_world_size():
     args = train.parse_args(["--preset", "smoke", "--prompts-per-step", "3"])
     with pytest.raises(ValueError, match=r"--prompts-per-step 3 must divide by the world size 2"):
-        train.check_inputs(args, world=2)
-    train.check_inputs(train.parse_args(["--preset", "smoke", "--prompts-per-step", "4", "--out", "/nonexistent/x"]), world=2)
+        flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
+    args = train.parse_args(["--preset", "smoke", "--prompts-per-step", "4", "--out", "/nonexistent/x"])
+    flags.check_run_inputs(args, 2, train.grpo_settings(args).train_head)
 
 
 def test_mismatched_reward_weights(tmp_path, smoke_base, capsys, monkeypatch):
@@ -147,8 +149,8 @@ def test_mismatched_reward_weights(tmp_path, smoke_base, capsys, monkeypatch):
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(tmp_path)
     torch.save(open_clip.create_model("reliability-wide", pretrained=None).state_dict(), tmp_path / "wide.pt")
-    tiny_hps = functools.partial(rewards.HPSv2Reward, model_name="reliability-tiny")
-    monkeypatch.setitem(rewards.REWARDS, "hpsv2", (tiny_hps, ("hpsv2",), set()))
+    tiny_hps = functools.partial(clip.HPSv2Reward, model_name="reliability-tiny")
+    monkeypatch.setitem(registry.REWARDS, "hpsv2", (tiny_hps, ("hpsv2",), set()))
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--reward", "hpsv2", "--reward-ckpt", f"hpsv2={tmp_path}/wide.pt"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -243,14 +245,14 @@ def test_max_bad_steps_stops_with_the_last_good_checkpoint(tmp_path, smoke_base,
 # A failing reward is reported, not swallowed
 
 def test_failing_reward_names_the_reward_and_the_prompts(tmp_path, smoke_base, capsys, monkeypatch):
-    seen, real = [], rewards.ShapesReward.score
+    seen, real = [], verifier.ShapesReward.score
 
     def flaky(self, images, prompts, metadata):
         seen.append(list(prompts))
         if len(seen) == 2:
             raise RuntimeError("verifier exploded")
         return real(self, images, prompts, metadata)
-    monkeypatch.setattr(rewards.ShapesReward, "score", flaky)
+    monkeypatch.setattr(verifier.ShapesReward, "score", flaky)
     out = tmp_path / "run"
     code, _, err = cli(capsys, *grpo_flags(smoke_base, out, "--steps", "3", "--save-every", "1"))
     assert code == 1

@@ -79,7 +79,7 @@ def test_torchrun_relaunch_resumes_after_a_rank_dies(tmp_path, smoke_base):
     relaunch (TORCHELASTIC_RESTART_COUNT=1) resumes from step 2 on its own and finishes.
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torchrun's relaunch may read the dead
     attempt's addresses from the store it shares with the workers and fail to connect or hang
-    (pytorch/pytorch#135712; 2 of 8 tries on 2 CPU cores); the README tells users the same."""
+    (pytorch/pytorch#135712; 2 of 8 tries on 2 CPU cores); docs/real_models.md tells users the same."""
     out = tmp_path / "run"
     script = tmp_path / "train_killed_at_step_2.py"
     script.write_text(PATCHED_TRAIN.format(patch=KILL_AT_STEP_2))

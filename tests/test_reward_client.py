@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-import evaluate
 import rewards
 from infra import processes
-from scorers import auth, remote, server, wire
+from scorers import auth, registry, remote, server, wire
+from tables import paper
 from tests.helpers import cli, grpo_flags
 from tests.test_reward_server import shapes_batch
 
@@ -104,7 +104,7 @@ def assert_one_line(text, url=None):
 
 
 def served(url, timeout=5.0, retries=0):
-    return rewards.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=timeout,
+    return registry.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=timeout,
                                                       retries=retries))
 
 
@@ -337,7 +337,7 @@ def test_a_malformed_token_is_named_never_shown(tmp_path, monkeypatch, capsys):
 
 def test_a_run_stops_in_one_line_on_a_hostile_server_and_a_malformed_token(smoke_base, tmp_path,
                                                                             capsys, monkeypatch):
-    """train.py and evaluate.py: one 'error:' line, no token, no traceback, no forged line."""
+    """train.py and the paper's table: one 'error:' line, no token, no traceback, no forged line."""
     monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
     with scripted(http(418, json.dumps({"error": NASTY}).encode())) as url:
         code, _, err = cli(capsys, *grpo_flags(smoke_base, tmp_path / "run", "--steps", "1",
@@ -353,7 +353,7 @@ def test_a_run_stops_in_one_line_on_a_hostile_server_and_a_malformed_token(smoke
                  "--images-per-prompt", "2", "--reward", "shapes", "--preset", "smoke",
                  "--num-iter", "2", "--num-sampling-steps", "4", "--out", tmp_path / "eval",
                  "--reward-url", url]
-        code = evaluate.cli([str(f) for f in flags])
+        code = paper.cli([str(f) for f in flags])
         err = capsys.readouterr().err
         assert code == 1 and "Traceback" not in err, err
         said = [line for line in err.splitlines() if "error" in line.lower() or "\x1b" in line]

@@ -1,7 +1,7 @@
 """The faults a network brings to a run scored by a reward server, each with a real server on the
 loopback address (`python -m scorers.server` in its own process, stopped by its process id): killed
 mid-run (then --resume), hanging, restarted between steps, shared by two torchrun ranks and a
-second run; served runs and evaluate.py's table equal to those in process; the load benchmark.
+second run; served runs and the paper's table equal to those in process; the load benchmark.
 docs/faults.md ("The reward server") lists the cases."""
 
 import os
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import evaluate
 import train
 from benchmarks import reward_load
 from infra import processes
 from scorers import server
+from tables import paper
 from tests.helpers import ENV, ROOT, TRAIN, cli, grpo_flags, load, metrics
 from tests.test_reward_server import request
 
@@ -84,7 +84,7 @@ def test_evaluate_with_a_server_writes_the_table_of_the_rewards_in_process(share
     tables = {}
     for name, more in (("local", []), ("served", ["--reward-url", shared_server[1]])):
         capsys.readouterr()
-        assert evaluate.cli([str(f) for f in [*flags, "--out", tmp_path / name, *more]]) == 0, capsys.readouterr().err
+        assert paper.cli([str(f) for f in [*flags, "--out", tmp_path / name, *more]]) == 0, capsys.readouterr().err
         tables[name] = (tmp_path / name / "table.md").read_text(), (tmp_path / name / "base" / "scores.jsonl").read_text()
     assert tables["served"] == tables["local"] and "shapes_accuracy" in tables["local"][1]
 

@@ -16,10 +16,9 @@ import time
 import pytest
 import torch
 
-import rewards
 from benchmarks import reward_memory, reward_soak
 from infra import processes
-from scorers import remote, server, wire
+from scorers import registry, remote, server, wire
 from tests.helpers import ENV
 from tests.test_reward_server import shapes_batch
 
@@ -100,14 +99,14 @@ def until_closed(sock, seconds):
 
 
 def client(url, retries=0):
-    return rewards.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=10,
+    return registry.build_reward("shapes", server=dict(url=url, token=TOKEN, timeout=10,
                                                       retries=retries))
 
 
 def test_idle_and_trickling_peers_cannot_keep_an_authorised_client_out(limited):
     _, url, log = limited
     images, prompts, metas = shapes_batch()
-    want = rewards.build_reward("shapes")(images, prompts, metas)[0]
+    want = registry.build_reward("shapes")(images, prompts, metas)[0]
     t0 = time.monotonic()
     silent = [connect(url) for _ in range(CONNECTIONS)]  # as many as --max-connections, mute
     loris = [connect(url) for _ in range(4)]             # a request head a byte at a time

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 import rewards
 from demo import shapes
 from infra import processes
-from scorers import remote, server, wire
+from scorers import registry, remote, server, wire
 from tests.helpers import cli, grpo_flags, load
 from tests.test_composition_models import records_of, save_gdino, save_git
 from tests.test_evaluate import save_tiny_hps, tiny_hps
@@ -98,16 +98,16 @@ def test_every_reward_scores_the_8bit_image():
     from_float = seen.images
     seen((x * 255).round().to(torch.uint8), ["a"] * 3)
     assert torch.equal(seen.images, from_float)  # the float image and its 8-bit PNG score alike
-    jpeg = rewards.build_reward("jpeg_incompressibility")
+    jpeg = registry.build_reward("jpeg_incompressibility")
     assert torch.equal(jpeg(x, ["a"] * 3)[0], jpeg((x * 255).round().to(torch.uint8), ["a"] * 3)[0])
 
 
 def test_served_shapes_and_jpeg_equal_in_process_details_and_nan_images_too():
     images, prompts, metas = shapes_batch()
     spec = "shapes:2.0,jpeg_incompressibility:0.5"
-    local = rewards.build_reward(spec)
-    with in_thread({n: f for n, _, f in rewards.build_reward("shapes,jpeg_incompressibility").components}) as url:
-        served = rewards.build_reward(spec, server=dict(url=url))
+    local = registry.build_reward(spec)
+    with in_thread({n: f for n, _, f in registry.build_reward("shapes,jpeg_incompressibility").components}) as url:
+        served = registry.build_reward(spec, server=dict(url=url))
         (s, info), (s_local, info_local) = served(images, prompts, metas), local(images, prompts, metas)
         assert torch.equal(s, s_local) and s.min() < s.max()
         assert all(torch.equal(info["components"][k], info_local["components"][k]) for k in info_local["components"])
@@ -118,10 +118,10 @@ def test_served_shapes_and_jpeg_equal_in_process_details_and_nan_images_too():
         assert s_nan[1].isnan() and torch.equal(s_nan[[0, 2, 3]], s_local[[0, 2, 3]])
     images = shapes_batch()[0]
     with in_thread({"shapes": local.components[0][2]}, busy=2) as url:  # 503 is tried again, within the retries
-        assert torch.equal(rewards.build_reward("shapes", server=dict(url=url, retries=2))(images, prompts, metas)[0],
+        assert torch.equal(registry.build_reward("shapes", server=dict(url=url, retries=2))(images, prompts, metas)[0],
                            local.components[0][2](images, prompts, metas)[0])
     with in_thread({"shapes": local.components[0][2]}, busy=2) as url, pytest.raises(rewards.RewardFailed) as e:
-        rewards.build_reward("shapes", server=dict(url=url, retries=1))(images, prompts, metas)
+        registry.build_reward("shapes", server=dict(url=url, retries=1))(images, prompts, metas)
     assert f"{url}: no answer after 2 tries in" in str(e.value) and "(the last: HTTP 503 busy)" in str(e.value)
 
 
@@ -133,9 +133,9 @@ def test_served_hps_git_and_gdino_equal_in_process_with_the_records(tmp_path, mo
     records = records_of("color", "spatial", "numeracy", "non")
     images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     spec = "hpsv2:1.0,git_vqa:0.5,gdino:2.0"
-    local = rewards.build_reward(spec, weights=weights)
-    with in_thread({n: f for n, _, f in rewards.build_reward("hpsv2,git_vqa,gdino", weights=weights).components}) as url:
-        s, info = rewards.build_reward(spec, server=dict(url=url))(images, [r["prompt"] for r in records], records)
+    local = registry.build_reward(spec, weights=weights)
+    with in_thread({n: f for n, _, f in registry.build_reward("hpsv2,git_vqa,gdino", weights=weights).components}) as url:
+        s, info = registry.build_reward(spec, server=dict(url=url))(images, [r["prompt"] for r in records], records)
     s_local, info_local = local(images, [r["prompt"] for r in records], records)
     assert torch.equal(s, s_local)
     for name in ("hpsv2", "git_vqa", "gdino"):
@@ -177,7 +177,7 @@ def test_bad_requests_are_one_line_4xx_answers_and_the_server_goes_on():
         "a prompt the reward cannot read": (TOKEN, with_head(prompts=["a photo of a cat"] * 2, metadata=None), 422,
                                             "shapes: shapes reward: 'a photo of a cat' is not a shapes prompt"),
     }
-    with in_thread({"shapes": rewards.build_reward("shapes").components[0][2]}, TOKEN, max_body=10000) as url:
+    with in_thread({"shapes": registry.build_reward("shapes").components[0][2]}, TOKEN, max_body=10000) as url:
         want = request(url, good, TOKEN)
         assert want[0] == 200 and len(want[1]["scores"]["shapes"]) == 2
         for case, (token, payload, status, reason) in bad.items():
@@ -226,7 +226,7 @@ def bad_run_flags(url):
 
 
 def test_bad_reward_server_flags_are_one_line_and_nothing_is_written(smoke_base, tmp_path, capsys, monkeypatch):
-    with in_thread({"shapes": rewards.build_reward("shapes").components[0][2]}, TOKEN) as url:
+    with in_thread({"shapes": registry.build_reward("shapes").components[0][2]}, TOKEN) as url:
         for flags, line, env in bad_run_flags(url):
             monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
             for key, value in env.items():

@@ -23,15 +23,15 @@ def test_record_contents_and_previews():
         assert torch.equal(s.unk_idx, s.unknown.nonzero()[:, 1].reshape(4, n))
         known = ~s.unknown
         assert torch.equal(s.preview[known], s.tokens[known])  # K_i keeps its values
-        assert torch.equal(s.preview[s.pred], final[s.pred])  # P_i is written from the preview
-        assert (s.pred & ~s.unknown).sum() == 0
+        assert torch.equal(s.preview[s.written], final[s.written])  # P_i is written from the preview
+        assert (s.written & ~s.unknown).sum() == 0
     # step 3's previous preview is step 2's preview; step 0 has none
     assert record.steps[0].preview_prev is None
     assert torch.equal(record.steps[2].preview_prev, record.steps[1].preview)
     # z_final holds, per position, the z it was generated from (the step's recomputed z)
     s = record.steps[1]
     z = model.predict_z(s.tokens, s.unknown.float(), model.condition(labels=torch.tensor([1, 1, 3, 3])))
-    torch.testing.assert_close(record.z_final[s.pred], z[s.pred], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(record.z_final[s.written], z[s.written], rtol=1e-5, atol=1e-5)
 
 
 def test_rollout_without_a_plan_is_the_official_sampler():

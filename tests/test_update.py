@@ -15,26 +15,26 @@ import train
 
 class ToyStepLoss(nn.Module):
     """A stand-in for train.PolicyLoss with the same call signature: loss_j = (j + 1) Σ_d a_d θ_d²,
-    so ∇ mean_j loss_j = 2 a θ · mean_j (j + 1). It remembers which `old` each step was given."""
+    so ∇ mean_j loss_j = 2 a θ · mean_j (j + 1). It remembers which `old_logp` each step was given."""
 
     def __init__(self):
         super().__init__()
         self.theta = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
-        self.seen_olds = []
+        self.seen_old_logp = []
 
-    def forward(self, ref, batch, j, settings, old):
-        self.seen_olds.append(old)
+    def forward(self, ref, batch, j, settings, old_logp):
+        self.seen_old_logp.append(old_logp)
         loss = (j + 1) * (batch.adv * self.theta ** 2).sum()
         return loss, {"j": torch.tensor(j)}, f"old{j}"
 
 
-def toy_backward(module, n_steps, adv, olds):
+def toy_backward(module, n_steps, adv, old_logp):
     """The one call of train.backward_batch (the function that scales and accumulates the per-step
     losses), with the toy loss module on a micro-batch of which it reads the number of trained
-    steps, the advantages and the olds; returns (per-step stats, olds)."""
-    batch = SimpleNamespace(record=SimpleNamespace(steps=[None] * n_steps), adv=adv, olds=list(olds))
+    steps, the advantages and the ℓ_old of each; returns (per-step stats, the ℓ_old it kept)."""
+    batch = SimpleNamespace(record=SimpleNamespace(steps=[None] * n_steps), adv=adv, old_logp=list(old_logp))
     stats = train.backward_batch(module, None, batch, None, contextlib.nullcontext)
-    return stats, batch.olds
+    return stats, batch.old_logp
 
 
 def toy_expected_grad(theta, adv, n_steps):
@@ -43,13 +43,13 @@ def toy_expected_grad(theta, adv, n_steps):
 
 def test_backward_batch_averages_the_per_step_losses():
     """L = −mean_i(P_i − βKL_i): backward_batch's accumulated gradient is that of the mean of the
-    per-step losses over the trained AR steps (not their sum), and each step's `old` is routed back."""
+    per-step losses over the trained AR steps (not their sum), and each step's ℓ_old is routed back."""
     toy, n = ToyStepLoss(), 3
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-    stats, olds = toy_backward(toy, n, adv, ["a", "b", "c"])
+    stats, old_logp = toy_backward(toy, n, adv, ["a", "b", "c"])
     torch.testing.assert_close(toy.theta.grad, toy_expected_grad(toy.theta, adv, n), rtol=1e-12, atol=0,
                                msg=lambda m: f"the accumulated gradient is not ∇ mean_j loss_j (sum: ×{n})\n{m}")
-    assert toy.seen_olds == ["a", "b", "c"] and olds == ["old0", "old1", "old2"]
+    assert toy.seen_old_logp == ["a", "b", "c"] and old_logp == ["old0", "old1", "old2"]
     assert [float(s["loss"]) for s in stats] == pytest.approx([(j + 1) * (adv * toy.theta ** 2).sum().item()
                                                               for j in range(n)])
 

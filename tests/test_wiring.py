@@ -9,7 +9,7 @@ top 30%) and consistency mask (τ = 0), the Gaussian KL to the base (β = 0.01),
 --max-grad-norm that binds at both steps. Wrapping the module-level functions train.py calls
 captures each step's inputs: the rollouts (`rollout.record_rollout`: condition, tokens, record),
 the MTE trajectories (`mte.sample_trajectories`), the code's uncertainty mask (`masks.top_k_mask`)
-and the rewards (of the reward `rewards.build_reward` builds). From those inputs and the base's
+and the rewards (of the reward `registry.build_reward` builds). From those inputs and the base's
 parameters alone, this file recomputes each step:
 
     groups   images gG … gG + G − 1 share prompt g (asserted on the captured prompts)
@@ -61,8 +61,8 @@ import torch
 import masks
 from models import loading
 import mte
-import rewards
 import rollout
+from scorers import registry
 from tests import test_objective as hand
 import train
 
@@ -109,7 +109,7 @@ def capture(monkeypatch):
     """Wrap what train.py calls; returns the dict the wrappers fill, one entry per call."""
     cap = dict(rollouts=[], trajectories=[], uncertain=[], rewards=[])
     real_record, real_traj, real_topk, real_build = (rollout.record_rollout, mte.sample_trajectories,
-                                                      masks.top_k_mask, rewards.build_reward)
+                                                      masks.top_k_mask, registry.build_reward)
     signature = inspect.signature(real_record)
 
     def record_rollout(*a, **k):
@@ -142,7 +142,7 @@ def capture(monkeypatch):
     monkeypatch.setattr(rollout, "record_rollout", record_rollout)
     monkeypatch.setattr(mte, "sample_trajectories", sample_trajectories)
     monkeypatch.setattr(masks, "top_k_mask", top_k_mask)
-    monkeypatch.setattr(rewards, "build_reward", lambda *a, **k: Recorded(real_build(*a, **k)))
+    monkeypatch.setattr(registry, "build_reward", lambda *a, **k: Recorded(real_build(*a, **k)))
     return cap
 
 
@@ -160,7 +160,7 @@ def dense_view(record, tokens):
 
         def scatter(packed, fill):  # (K, B, n, C) packed on U_i -> (K, B, L, C)
             return torch.full((K, B, L, C), fill, dtype=packed.dtype).scatter(2, idx, packed)
-        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), pred=s.pred.bool(), w=float(s.cfg),
+        steps.append(dict(i=s.i, canvas=s.tokens, unknown=s.unknown.bool(), written=s.written.bool(), w=float(s.cfg),
                           k=[int(k) for k in s.diff_steps], x_t=scatter(s.x_t, 0.0), x_prev=scatter(s.x_prev, 0.0),
                           std=scatter(s.std, 1.0), logp=scatter(s.logp, 0.0), preview=s.preview,
                           preview_prev=s.preview_prev))
