@@ -275,7 +275,7 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         # §4: what the released MTE term does there, and why a run whose gap grows collapses)
         drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
             logp_s))  # (S, K, B, n, C)
-        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~pred)
+        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~written)
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,

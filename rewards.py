@@ -139,7 +139,9 @@ def parse_reward_spec(spec, names):
 
 class RewardFailed(RuntimeError):
     """A reward raised while scoring a batch: the run stops (processes.cli prints the reward's own
-    traceback, then this one line, and exits with status 1)."""
+    traceback, then this one line, and exits with status 1: `stops_the_run`)."""
+
+    stops_the_run = True
 
 
 def score(reward_fn, spec, images, texts, metas):

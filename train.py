@@ -425,7 +425,7 @@ def main(argv=None, ext=PAPER):
 def cli(argv=None, ext=PAPER):
     """`python train.py ...`: main() with failures said in one line (infra/processes.cli).
     Returns the exit status."""
-    return processes.cli(lambda a: main(a, ext), argv, stops=(rewards.RewardFailed,))
+    return processes.cli(lambda a: main(a, ext), argv)
 
 
 if __name__ == "__main__":

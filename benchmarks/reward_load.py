@@ -28,7 +28,6 @@ import time
 import numpy as np
 import torch
 
-import rewards
 from demo import shapes
 from infra import checkpoints, flags, processes
 from scorers import auth, registry, remote, server
@@ -155,4 +154,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))
+    sys.exit(processes.cli(main))

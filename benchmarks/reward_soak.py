@@ -36,7 +36,6 @@ import time
 import numpy as np
 import torch
 
-import rewards
 from benchmarks import reward_load, reward_memory
 from infra import checkpoints, flags, processes
 from scorers import registry, remote, server, wire
@@ -291,4 +290,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))
+    sys.exit(processes.cli(main))

@@ -43,7 +43,6 @@ import torch
 from matplotlib.figure import Figure
 
 import evaluate
-import rewards
 import train
 from demo import shapes, verifier
 from diffloss import reverse_sample
@@ -442,4 +441,4 @@ def evaluate_spatial(model, args, split, images, seed, out, opts_grid=None):
 
 
 if __name__ == "__main__":
-    sys.exit(processes.cli(main, stops=(rewards.RewardFailed,)))
+    sys.exit(processes.cli(main))

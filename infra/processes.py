@@ -195,14 +195,18 @@ class StopRequests:
 
 class Stop(RuntimeError):
     """The run stops on purpose (repeated non-finite steps, a failing reward): `cli` prints the
-    reason as one line, after the traceback of the code that caused it, and exits with status 1."""
+    reason as one line, after the traceback of the code that caused it, and exits with status 1.
+    An exception class of a file that cannot import this one (rewards.RewardFailed) says the same
+    with a class attribute `stops_the_run = True`."""
+
+    stops_the_run = True
 
 
-def cli(entry, argv=None, stops=()):
+def cli(entry, argv=None):
     """Run `entry(argv)` (train.main, the table's main) with failures said in one line on stderr
     (`error: ...`, or `error (rank N): ...` from rank N > 0 under torchrun). Bad flags and files: no
-    traceback, exit status 2. A deliberate stop (Stop, or one of the exception types `stops`, e.g.
-    rewards.RewardFailed: a reward that failed) or a failed write (OSError): exit status 1.
+    traceback, exit status 2. A deliberate stop (an exception whose class sets `stops_the_run`: Stop,
+    rewards.RewardFailed for a reward that failed) or a failed write (OSError): exit status 1.
     SIGINT / SIGTERM: 128 + the signal's number. Anything else is a bug and keeps Python's
     traceback. Returns the exit status."""
     where = f" (rank {os.environ['RANK']})" if int(os.environ.get("RANK", 0)) > 0 else ""
@@ -222,7 +226,9 @@ def cli(entry, argv=None, stops=()):
     except OSError as e:  # a write failed: disk full, a folder gone (checkpoints.writing names the file)
         print(f"error{where}: {e}", file=sys.stderr)
         return 1
-    except (Stop, *stops) as e:
+    except Exception as e:
+        if not getattr(e, "stops_the_run", False):
+            raise  # a bug: Python's traceback
         if e.__cause__ is not None:  # e.g. the reward's own traceback: where it failed
             traceback.print_exception(e.__cause__)
         print(f"error{where}: {e}", file=sys.stderr)

@@ -28,7 +28,6 @@ import re
 import sys
 
 import evaluate
-import rewards
 from infra import flags, processes, prompt_records
 from models import loading
 from scorers import compbench, registry
@@ -313,7 +312,7 @@ def main(argv=None):
 
 def cli(argv=None):
     """main() with failures said in one line on stderr, as train.py's (processes.cli)."""
-    return processes.cli(main, argv, stops=(rewards.RewardFailed,))
+    return processes.cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -299,7 +299,6 @@ def test_compbench_scores_each_image_by_its_category(compbench_weights):
 
 def test_evaluate_prints_the_compbench_table(compbench_weights, folders, hps_tiny, tiny_archs, tmp_path, capsys, monkeypatch):
     from scorers import compbench
-    import evaluate
     from tests import test_nova
     from tests import test_train_adapters as adapters
     monkeypatch.setattr(compbench.CompBench.__init__, "__defaults__", ("cpu", TINY_CLIP))

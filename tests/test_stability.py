@@ -60,7 +60,7 @@ def test_mte_gap_is_the_kl_between_the_steps_transitions_and_the_trajectories():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     checked = 0
     for j, step in enumerate(record.steps):
-        off = step.unknown & ~step.pred  # (B, L) U_i outside P_i
+        off = step.unknown & ~step.written  # (B, L) U_i outside P_i
         if not off.any():
             continue
         with torch.no_grad():
