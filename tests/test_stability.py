@@ -82,3 +82,41 @@ def test_mte_gap_is_the_kl_between_the_steps_transitions_and_the_trajectories():
         assert got > 0 and got == pytest.approx(want.item(), rel=0.15), (j, got, want.item())
         checked += 1
     assert checked >= 2
+
+
+def test_mte_kl_turns_the_repulsion_of_negative_advantages_into_a_pull():
+    """--mte-kl β_m adds β_m G_i to the loss: per element the MTE term outside P_i then weighs
+    A + β_m. One small descent step on the tiny rollout's loss (β = 0, every advantage −1): the
+    released objective (β_m = 0) moves z_i's transitions away from the trajectories (mte_gap
+    grows), β_m = 2 (A + β_m = 1) and β_m = 1 with zero advantages move them toward them."""
+    model = tiny_mar()
+    model.diffloss.requires_grad_(False)
+    record, cond = make_rollout(model, bsz=4)
+    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
+                                   record.cfg_final, 0.9, 8, record.steps[0].diff_steps,
+                                   torch.Generator().manual_seed(1))
+    j = next(j for j, s in enumerate(record.steps) if (s.unknown & ~s.written).any())
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+
+    def gap_after_step(adv, mte_kl, eta=1e-2):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        cfg = settings("mar-grpo", beta=0.0, top_k=1.0, mte_kl=mte_kl)
+        loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads if g is not None))
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.sub_(eta * g / norm)
+            _, after, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)
+        return stats["mte_gap"].item(), after["mte_gap"].item()
+
+    before, released = gap_after_step(-torch.ones(4), 0.0)
+    _, held = gap_after_step(-torch.ones(4), 2.0)
+    _, pulled = gap_after_step(torch.zeros(4), 1.0)
+    assert released > before > held and pulled < before
+    with pytest.raises(ValueError, match="--mte-kl"):
+        settings("grpo-fixed-head", mte_kl=1.0).validate()
