@@ -9,8 +9,7 @@ chosen diffusion steps k, images b, positions p and channels c (docs/method.md �
     W      = U_i ∧ (1[Δsim > κ] ∨ P_i)                     (§5)
     P_i    = Σ W · π-term / Σ W
     KL_i   = Σ_{U_i} KL-term / Σ_{U_i} 1
-    G_i    = Σ_{W ∧ M_unc ∖ P_i} mean_s (ℓ_drawn − ℓ_θ)(x⁽ˢ⁾) / Σ W   (§4: --mte-kl, 0 as released)
-    L      = −mean_i (P_i − β KL_i − β_m G_i)             (§6; §7: the variants, `METHODS`)
+    L      = −mean_i (P_i − β KL_i)                        (§6; §7: the variants, `METHODS`)
 """
 
 from dataclasses import dataclass
@@ -41,9 +40,6 @@ class GRPOSettings:
     policy_positions: str
     # recompute ℓ with the rollout's guidance ("rollout"), or "1" (released)
     train_cfg: str
-    # β_m: weight of G_i, the KL between a step's transitions and the MTE trajectories' outside
-    # P_i (0 = released; docs/method.md §4)
-    mte_kl: float
 
     def validate(self):
         """Raise ValueError naming the flag for contradictory settings."""
@@ -64,11 +60,6 @@ class GRPOSettings:
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:
             raise ValueError(f"--clip-eps {self.clip_eps}: must be > 0")
-        if self.mte_kl < 0:
-            raise ValueError(f"--mte-kl {self.mte_kl}: must be >= 0")
-        if self.mte_kl > 0 and self.mte_trajectories < 2:
-            raise ValueError(f"--mte-kl {self.mte_kl}: weighs a KL to the MTE trajectories; "
-                             "there are none (--mte-trajectories 0)")
         return self
 
 
@@ -177,23 +168,17 @@ def masked_mean(x, mask):
     return (x * m).sum() / m.sum().clamp(min=1.0)
 
 
-def ar_step_objective(pi_term, keep, kl, beta, gap=None, mte_kl=0.0):
-    """The loss of one trained AR step: −(P_i − β KL_i − β_m G_i).
+def ar_step_objective(pi_term, keep, kl, beta):
+    """The loss of one trained AR step: −(P_i − β KL_i).
 
     pi_term: (K, B, n, C) policy term per element (surrogate, MTE-averaged where chosen);
     keep: (B, n) W on the unknown positions of this step; kl: (K, B, n, C) KL-term, or None
     when β = 0. All positions of the packed layout are unknown, so KL_i is a plain mean.
-    gap: (K, B, n, C) the MTE gap per element, zero outside M_unc ∖ P_i, or None when β_m = 0;
-    G_i is normalised by W as P_i is, so per element β_m G_i shifts the MTE term's advantage
-    from A to A + β_m (docs/method.md §4).
     returns (loss, P_i, KL_i), scalars.
     """
     p = masked_mean(pi_term, keep)
     k = kl.mean() if kl is not None else torch.zeros((), device=pi_term.device)
-    loss = -(p - beta * k)
-    if gap is not None:
-        loss = loss + mte_kl * masked_mean(gap, keep)
-    return loss, p.detach(), k.detach()
+    return -(p - beta * k), p.detach(), k.detach()
 
 
 def choose_train_steps(num_ar_steps, n_trained, trainable, n_diff, generator, below=0):
@@ -270,7 +255,6 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
 
     # multi-trajectory expectation on the uncertain unknown positions (mte.py): M_unc, top-k% by
     # spread
-    gap = None  # G_i's elements (with --mte-kl)
     if trajectories is not None:
         uncertain = masks.uncertainty_mask(trajectories["x0"], settings.top_k)  # (B, L) M_unc
         unc = uncertain.gather(1, step.unk_idx)  # (B, n) M_unc on U_i
@@ -291,10 +275,7 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         # §4: what the released MTE term does there, and why a run whose gap grows collapses)
         drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
             logp_s))  # (S, K, B, n, C)
-        outside = unc & ~written  # (B, n) M_unc ∖ P_i
-        gap = (drawn - logp_s).mean(0)  # (K, B, n, C), differentiable through ℓ_θ
-        stats["mte_gap"] = masked_mean(gap.detach(), outside)
-        gap = gap * outside[None, :, :, None] if settings.mte_kl > 0 else None  # G_i's elements
+        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~written)
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,
@@ -314,7 +295,7 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
             logp_ref = transition_logprob(step.x_prev, mean_ref, step.std)
         kl = kl_term(settings.kl, mean, mean_ref, step.std, logp, logp_ref)
 
-    loss, p, k = ar_step_objective(pi_term, keep, kl, settings.beta, gap, settings.mte_kl)
+    loss, p, k = ar_step_objective(pi_term, keep, kl, settings.beta)
     stats.update(policy_term=p.detach(), kl=k.detach(),
                  ratio_max_dev=(ratio.detach() - 1).abs().max())
     if clip is not None:

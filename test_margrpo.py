@@ -98,7 +98,7 @@ COPY_SETS = {
         settings = grpo.GRPOSettings(beta=0.01, kl="gaussian", clip_eps=0.2, inner_epochs=1,
                                      train_head=False, mte_trajectories=0, top_k=0.3,
                                      mte_positions="unknown", consistency_threshold=0.0,
-                                     policy_positions="unknown", train_cfg="rollout", mte_kl=0.0)
+                                     policy_positions="unknown", train_cfg="rollout")
         loss, stats, _ = grpo.ar_step_loss(model, model, record, 0,
                                            dict(labels=torch.tensor([0, 1])), adv, settings)
         loss.backward()

@@ -82,9 +82,6 @@ def paper_flags(p):
       help="κ: keep the tokens whose Δsim exceeds it (the consistency mask W), or 'off'")
     a("--policy-positions", default="unknown", choices=["unknown", "predicted"],
       help="the policy term on U_i (released) or only on P_i")
-    a("--mte-kl", type=NONNEG_FLOAT, default=0.0,
-      help="β_m: weight of the KL between a step's transitions and the MTE trajectories' outside "
-           "P_i, which bounds the MTE term's pull away from them (0 = released; method.md §4)")
     # the loop: prompts, groups, recorded steps, the optimizer
     a("--steps", type=POS_INT, default=40, help="GRPO steps")
     a("--prompts-per-step", type=POS_INT, default=8,
