@@ -115,3 +115,7 @@ def mte_policy_term(term_rollout, term_traj, uncertain):
 # 4. Released: the trajectories are guided with the w of the last AR step for every token. This
 #    file: each token is guided with the w it was generated with (`cfg_final`).
 # 5. On P_i, MTE acts as a mask (a property, not a choice): docs/method.md §4, "MTE on P_i".
+# 6. Outside P_i the trajectories are a target that does not move with z_i: with a negative
+#    advantage their term pushes z_i's transitions away without bound, which is how a long run of
+#    the released objective drifts away (docs/method.md §4, "The MTE term outside P_i";
+#    grpo.ar_step_loss logs the distance as mte_gap).
