@@ -1,13 +1,15 @@
 """A run's curve: each checkpoint at its best sampling temperature, against training steps, beside
-the run's own statistics (reward, KL, gradient norm, diversity, skipped steps, the ratio).
+the run's own statistics (reward, KL, gradient norm, diversity, skipped steps, the ratio, the MTE
+gap).
 
     python -m experiments.curve RUN [RUN ...] --out DIR [--steps 0,100,200,400,800,1200]
         [--eval-temperatures 0.1,0.3,1] [--eval-prompts 96] [--eval-images-per-prompt 2]
 
 RUN is a train.py --out folder (config.json, metrics.jsonl, ckpt/step_XXXXXX.pt; keep every
 checkpoint with --save-every 100 --keep-last 0). Step 0 is the run's --init, the base. Every
-checkpoint is swept by evaluate.sweep_splits on the same prompts and seeds (the run's --seed):
-the held-out compositions and the training split's prompts with fresh seeds, at every τ of
+checkpoint of every run is swept by evaluate.sweep_splits on the same prompts and seeds (--seed,
+whatever seed a run trained with): the held-out compositions and the training split's prompts
+with fresh seeds, at every τ of
 --eval-temperatures; its best τ is chosen on the training split and both splits are read there.
 A checkpoint's sweep is kept in DIR/points/ (keyed by the file, its size and time, and the sweep's
 settings), so a second call, or a call after the run has gone on, sweeps only what is new.
@@ -96,20 +98,20 @@ def point_key(path, opts):
     sweep's settings."""
     st = os.stat(path)
     what = [os.path.abspath(path), st.st_size, st.st_mtime_ns, opts.eval_temperatures,
-            opts.eval_prompts, opts.eval_images_per_prompt, opts.eval_batch_size]
+            opts.eval_prompts, opts.eval_images_per_prompt, opts.eval_batch_size, opts.seed]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
 
 
 def run_args(run, opts):
     """The run's flags (the newest checkpoint's; config.json's "model" is the model's config, not
-    the flag) with the curve's evaluation settings over them."""
+    the flag) with the curve's evaluation settings and seed over them."""
     names = checkpoints.checkpoint_names(os.path.join(run, "ckpt"))
     if not names:
         raise FileNotFoundError(f"{run}: no checkpoint in {run}/ckpt")
     saved = checkpoints.read_checkpoint(os.path.join(run, "ckpt", names[-1]), run)["args"]
     args = argparse.Namespace(**saved)
     for key in ("eval_temperatures", "eval_prompts", "eval_images_per_prompt", "eval_batch_size",
-                "threads"):
+                "threads", "seed"):
         setattr(args, key, getattr(opts, key))
     args.device, args.eval_cfgs = "cpu" if opts.device == "cpu" else args.device, []
     return args
@@ -210,6 +212,8 @@ def parse_args(argv):
     p.add_argument("--eval-prompts", type=flags.POS_INT, default=96, help="prompts per split")
     p.add_argument("--eval-images-per-prompt", type=flags.POS_INT, default=2)
     p.add_argument("--eval-batch-size", type=flags.POS_INT, default=64)
+    p.add_argument("--seed", type=flags.NONNEG_INT, default=0,
+                   help="the evaluation's prompts and noise, the same for every run")
     p.add_argument("--window", type=flags.POS_INT, default=20, help="steps a statistic averages")
     p.add_argument("--threads", type=flags.NONNEG_INT, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu"])

@@ -24,21 +24,17 @@ def fake_sweep(calls):
         step = int(out_dir.rsplit("step_", 1)[1])
         calls.append(step)
         assert set(splits) == {"heldout", "train"} and temperatures == TEMPS
+        assert args.seed == 5  # the curve's --seed, not the run's (0): every run on the same draws
         def score(t, w):
             return {s: {"accuracy": KNOWN[step][s][TEMPS.index(t)], "n": 10} for s in splits}
         return evaluate.temperature_sweep(score, temperatures, cfgs, choose_on)
     return sweep
 
 
-def opts(tmp_path, *more):
-    return curve.parse_args([str(tmp_path / "run"), "--out", str(tmp_path / "curve"),
-                             "--eval-temperatures", "0.1,0.5,1", *more])
-
-
 def test_each_checkpoint_is_read_at_the_best_tau_of_the_training_split_and_swept_once(
         smoke_run, tmp_path):
     o = curve.parse_args([str(smoke_run), "--out", str(tmp_path), "--eval-temperatures",
-                          "0.1,0.5,1", "--eval-prompts", "2"])
+                          "0.1,0.5,1", "--eval-prompts", "2", "--seed", "5"])
     calls = []
     points = curve.sweep_run(str(smoke_run), o, sweep=fake_sweep(calls))
     assert calls == [0, 1, 2]
