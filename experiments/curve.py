@@ -94,10 +94,10 @@ def stability(rows, n=100):
 
 
 def point_key(path, opts):
-    """The cache key of a checkpoint's sweep: the file (absolute path, size, time) and the
+    """The cache key of a checkpoint's sweep: the file (its real path, size, time) and the
     sweep's settings."""
     st = os.stat(path)
-    what = [os.path.abspath(path), st.st_size, st.st_mtime_ns, opts.eval_temperatures,
+    what = [os.path.realpath(path), st.st_size, st.st_mtime_ns, opts.eval_temperatures,
             opts.eval_prompts, opts.eval_images_per_prompt, opts.eval_batch_size, opts.seed]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()[:16]
 
