@@ -17,13 +17,12 @@ import pytest
 import torch
 
 import demo
-import evaluate
 import mar
 import rewards
 import train
 from demo import pretrain, verifier
 from experiments import lab
-from infra import checkpoints, flags
+from infra import checkpoints, flags, processes
 from models import loading
 from scorers import clip, registry
 from tests.helpers import ENV, TRAIN, cli, grpo_flags, load, metrics, snapshot
@@ -185,6 +184,24 @@ def test_cli_exit_status_without_traceback(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [f"error: --init: no such file: {tmp_path / 'nope.pt'}"]
     assert not (tmp_path / "run").exists()
+
+
+def test_every_command_stops_on_a_failed_reward_in_one_line_and_keeps_a_bug_s_traceback(capsys):
+    """processes.cli, which every script's main runs through: an exception whose class sets
+    stops_the_run (rewards.RewardFailed, processes.Stop) is exit status 1 with the cause's traceback
+    and one closing line; any other exception is a bug and propagates."""
+    def failing(argv):
+        try:
+            raise ZeroDivisionError("inside the scorer")
+        except ZeroDivisionError as e:
+            raise rewards.RewardFailed("reward 'shapes' failed on prompts ['a red circle']") from e
+    assert processes.cli(failing) == 1
+    err = capsys.readouterr().err
+    assert "ZeroDivisionError: inside the scorer" in err
+    assert err.strip().splitlines()[-1] == "error: reward 'shapes' failed on prompts ['a red circle']"
+    assert processes.cli(lambda argv: (_ for _ in ()).throw(processes.Stop("5 non-finite steps"))) == 1
+    with pytest.raises(RuntimeError, match="a bug"):
+        processes.cli(lambda argv: (_ for _ in ()).throw(RuntimeError("a bug")))
 
 
 def test_error_lines_name_the_rank_under_torchrun(capsys, monkeypatch):
