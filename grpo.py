@@ -232,8 +232,8 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
     rollout.RolloutRecord; j: index into record.steps; inputs: the rollout's condition inputs;
     adv: (B,) advantages; settings: GRPOSettings (the guidance w is the step's own);
     trajectories: MTE trajectories from `mte.sample_trajectories` (or None; M_unc is built from
-    them here, beside W); old_logp: this step's ℓ_old from the first inner epoch, {"logp",
-    "logp_traj"} (None in the first epoch).
+    them in this function, beside W); old_logp: this step's ℓ_old from the first inner epoch,
+    {"logp", "logp_traj"} (None in the first epoch).
     returns (loss, stats: dict of 0-dim tensors, detached (no host sync in it), the step's ℓ_old
     for the later epochs, {"logp", "logp_traj"})
     """

@@ -130,17 +130,17 @@ def sweep_run(run, opts, steps=None, sweep=evaluate.sweep_splits):
                                 f"{sorted(found)}; keep them with --save-every and --keep-last 0)")
     cache = os.path.join(opts.out, "points")
     os.makedirs(cache, exist_ok=True)
-    points, codec, prompts = [], None, None
+    args.out = os.path.join(opts.out, "images", os.path.basename(os.path.normpath(run)))
+    points, codec, prompts, splits = [], None, None, None
     for step in chosen:
         path = os.path.join(cache, point_key(found[step], opts) + ".json")
         if not os.path.exists(path):
             model = loading.load_policy(args, found[step], f"{run} step {step}").to(ctx.device)
-            if codec is None:
+            if codec is None:  # the first checkpoint swept: what every checkpoint shares
                 codec = loading.load_codec(args, model, ctx.device)
                 prompts = loading.load_prompts(args, model)
-            splits = {name: prompts.eval_items(args.eval_prompts, args.seed, name)
-                      for name in ("heldout", "train")}
-            args.out = os.path.join(opts.out, "images", os.path.basename(os.path.normpath(run)))
+                splits = {name: prompts.eval_items(args.eval_prompts, args.seed, name)
+                          for name in ("heldout", "train")}
             s = sweep(args, ctx, model.requires_grad_(False), codec, prompts, splits,
                       {"shapes": verifier.ShapesReward()},
                       os.path.join(args.out, f"step_{step:06d}"), sorted(args.eval_temperatures))

@@ -23,9 +23,9 @@ given by `weights` key as `build_reward(..., weights={key: path})` or `--reward-
 where each file is published: docs/real_models.md, "Rewards and their weight files".
 
 A reward of another file is imported when it is first built (`built_from`: a module of this folder
-or the demo world's verifier, named here), so `import scorers.registry` pulls in none of their
-libraries (open_clip, BLIP, GroundingDINO, GIT): the verifier in demo/verifier.py, the model-based
-rewards in scorers/clip.py, scorers/imagereward.py and scorers/composition.py.
+or the demo world's verifier, named in `REWARDS` below), so `import scorers.registry` pulls in
+none of their libraries (open_clip, BLIP, GroundingDINO, GIT): the verifier in demo/verifier.py,
+the model-based rewards in scorers/clip.py, scorers/imagereward.py and scorers/composition.py.
 
 Weight files are read locally, never downloaded, and loaded strictly at construction: a missing
 file raises a one-line FileNotFoundError naming `--reward-ckpt` and the expected file, a file that
