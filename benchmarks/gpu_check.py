@@ -1,4 +1,4 @@
-"""The first GPU's checks, one command (under 8 minutes on one GPU); one table, also written as JSON.
+"""The first GPU's checks, one command (estimated under 8 minutes on one GPU); one table, also as JSON.
 
     python -m benchmarks.gpu_check                        # on a CUDA machine: every section
     python -m benchmarks.gpu_check --sections smoke,nccl --json runs/gpu_check.json
@@ -29,6 +29,10 @@ Sections (each gives rows of the table):
               32 images, and the update's model FLOP utilisation (the FLOPs torch counts in one update
               of 12 AR × 10 diffusion steps, MTE S = 3, / its seconds / the GPU's bf16 peak: the data
               sheet's where known, and a measured 8192² bf16 matmul's).
+A section, or one preset of parity and memory, that raises (out of memory, a package missing) is one
+FAIL row naming the error, its traceback on stderr, and the others still run; the JSON is rewritten
+after each section, so a run killed at a time limit keeps what finished. The time is an estimate: the
+command has not yet run on a GPU.
 Without CUDA it checks its flags, says so in one line and exits 0. `--device cpu` runs the same
 sections on the CPU (no sync check; gloo for the torchrun step), to try the script without a GPU.
 """
@@ -43,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -61,6 +66,7 @@ SECTIONS = ("smoke", "parity", "nccl", "memory", "throughput")
 PRESETS = ("mar_base", "harmon", "nova")
 FIGURES = pathlib.Path(__file__).resolve().parent / "memory_figures"
 ROLLOUT_IMAGES = (4, 32)  # the preset's G a GPU, and a batch that fills more of one
+MATMUL_SIDE = 8192  # the bf16 matmul whose speed the update is read against
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s of the SXM data sheets
 
 
@@ -220,34 +226,43 @@ def cpu_figure(preset, tokens, variant):
 
 
 def released(opts, out):
+    """parity and memory of each preset of --presets; one preset's failure is its FAIL row, not the others'."""
+    rows = []
+    for preset in opts.presets:
+        rows += guarded(f"parity, memory {preset}", lambda opts, out: released_preset(opts, preset, out), opts, out)
+        if opts.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def released_preset(opts, preset, out):
     rows, GiB = [], 2 ** 30
     sides = sorted({8} | {int(t ** 0.5) for t in opts.memory_tokens})
-    for preset in opts.presets:
-        args, base = preset_args(opts, preset), None
-        for side in sides:
-            t0 = time.time()
-            if hasattr(base, "set_image_shape"):  # Harmon: another grid is the same weights (built once: 2.5B parameters)
-                base.set_image_shape((side, side))
-            else:
-                base = None
-                base = model_at(args, side, opts.torch_device)
-            if side == 8 and "parity" in opts.sections:
-                inputs = {k: v.to(opts.torch_device)
-                          for k, v in memory.condition_inputs(args, base, 4).items()}
-                err = parity(args, base, inputs, opts.torch_device)
-                rows.append(parity_row(f"parity {preset}, 64 tokens", err))
+    args, base = preset_args(opts, preset), None
+    for side in sides:
+        t0 = time.time()
+        if hasattr(base, "set_image_shape"):  # Harmon: another grid is the same weights (built once: 2.5B parameters)
+            base.set_image_shape((side, side))
+        else:
+            base = None
+            base = model_at(args, side, opts.torch_device)
+        if side == 8 and "parity" in opts.sections:
+            inputs = {k: v.to(opts.torch_device)
+                      for k, v in memory.condition_inputs(args, base, 4).items()}
+            err = parity(args, base, inputs, opts.torch_device)
+            rows.append(parity_row(f"parity {preset}, 64 tokens", err))
+            out(rows[-1])
+        if side * side in opts.memory_tokens and "memory" in opts.sections:
+            m = memory.measure(args, side, 1, "full", 32, opts.torch_device, base, repeats=3)
+            for variant, figures in m.items():
+                cpu = cpu_figure(preset, side * side, variant)
+                rows.append((f"memory {preset}, {side * side} tokens, 1 image, {memory_table.variant_name(*variant)}",
+                             "measured", f"AR step peak {figures['step'] / GiB:.3f} GiB on {opts.device}; "
+                             + (f"CPU {cpu / GiB:.3f} GiB (bench.py --memory)" if cpu else "no CPU figure")
+                             + (f"; checkpointed / plain time {figures['seconds'] / m[variant[0], False]['seconds']:.2f}×"
+                                if variant[1] else "")))
                 out(rows[-1])
-            if side * side in opts.memory_tokens and "memory" in opts.sections:
-                m = memory.measure(args, side, 1, "full", 32, opts.torch_device, base, repeats=3)
-                for variant, figures in m.items():
-                    cpu = cpu_figure(preset, side * side, variant)
-                    rows.append((f"memory {preset}, {side * side} tokens, 1 image, {memory_table.variant_name(*variant)}",
-                                 "measured", f"AR step peak {figures['step'] / GiB:.3f} GiB on {opts.device}; "
-                                 + (f"CPU {cpu / GiB:.3f} GiB (bench.py --memory)" if cpu else "no CPU figure")
-                                 + (f"; checkpointed / plain time {figures['seconds'] / m[variant[0], False]['seconds']:.2f}×"
-                                    if variant[1] else "")))
-                    out(rows[-1])
-            out(f"  ({preset} at {side * side} tokens: {time.time() - t0:.0f} s)")
+        out(f"  ({preset} at {side * side} tokens: {time.time() - t0:.0f} s)")
     return rows
 
 
@@ -309,7 +324,7 @@ def throughput(opts, out):
         st.model.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False) as fc:
         update()
-    seconds, n = timed(update, device), 8192
+    seconds, n = timed(update, device), MATMUL_SIDE
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     matmul = 10 * 2 * n ** 3 / timed(lambda: [x @ x for _ in range(10)], device, 5)
     achieved = fc.get_total_flops() / seconds
@@ -354,18 +369,39 @@ def main(argv=None):
     print(f"gpu_check: {name}, torch {torch.__version__}; work folder {opts.work}", flush=True)
     out = lambda row: print("  " + (" | ".join(row) if isinstance(row, tuple) else row), flush=True)  # noqa: E731
     t0, rows = time.time(), []
-    for section, run in (("smoke", smoke), ("nccl", nccl)):
-        rows += run(opts, out) if section in opts.sections else []
-    rows += released(opts, out) if {"parity", "memory"} & set(opts.sections) else []
-    rows += throughput(opts, out) if "throughput" in opts.sections else []
+    parts = [("smoke", smoke), ("nccl", nccl)]
+    parts += [("parity, memory", released)] if {"parity", "memory"} & set(opts.sections) else []
+    parts += [("throughput", throughput)]
+    for section, run in parts:
+        if set(section.split(", ")) & set(opts.sections):
+            rows += guarded(section, run, opts, out)
+            write_json(opts.json, name, time.time() - t0, rows)  # what has run survives a later crash or kill
     print(f"\n{name}, torch {torch.__version__}, {time.time() - t0:.0f} s\n\n| check | result | figures |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
-    with open(opts.json, "w") as f:
-        json.dump(dict(device=name, torch=torch.__version__, seconds=time.time() - t0,
-                       rows=[dict(check=c, result=r, figures=x) for c, r, x in rows]), f, indent=1)
     return rows
+
+
+def guarded(section, run, opts, out):
+    """run(opts, out)'s rows; where it raises (out of memory, a missing package, a bug), its rows so far
+    and one FAIL row naming the error (the traceback on stderr), so that the other sections still run."""
+    rows = []
+    try:
+        return run(opts, lambda row: (rows.append(row) if isinstance(row, tuple) else None, out(row)))
+    except Exception as e:  # noqa: BLE001 - reported as a row, the next section still runs
+        traceback.print_exc()
+        rows.append((f"{section}: not finished", "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        out(rows[-1])
+        return rows
+
+
+def write_json(path, device, seconds, rows):
+    """The table so far as JSON at `path` (written whole, then renamed over the last one)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(device=device, torch=torch.__version__, seconds=seconds,
+                       rows=[dict(check=c, result=r, figures=x) for c, r, x in rows]), f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
