@@ -82,3 +82,44 @@ def test_mte_gap_is_the_kl_between_the_steps_transitions_and_the_trajectories():
         assert got > 0 and got == pytest.approx(want.item(), rel=0.15), (j, got, want.item())
         checked += 1
     assert checked >= 2
+
+
+def test_pull_weighs_the_mte_term_outside_p_i_by_the_positive_part_of_the_advantage(monkeypatch):
+    """--mte-positions pull: on U_i outside P_i the MTE term keeps only A⁺ = max(A, 0) (the pull
+    toward the trajectories, never the unbounded push); on P_i, and wherever A >= 0, it is the
+    released term, bit for bit."""
+    model = tiny_mar()
+    model.diffloss.requires_grad_(False)
+    record, cond = make_rollout(model, bsz=4)
+    traj = mte.sample_trajectories(model.diffloss, record.z_final, record.z_final_null,
+                                   record.cfg_final, 0.9, 4, record.steps[0].diff_steps,
+                                   torch.Generator().manual_seed(1))
+    released, pull = settings("mar-grpo", top_k=1.0), settings("mar-grpo", top_k=1.0, mte_positions="pull")
+
+    def loss_and_grads(cfg, adv):
+        model.zero_grad(set_to_none=True)
+        loss = sum(grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)[0]
+                   for j in range(len(record.steps)))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    non_negative = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    (a, ga), (b, gb) = loss_and_grads(released, non_negative), loss_and_grads(pull, non_negative)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+    seen = []  # the advantage each MTE element is weighed by
+    surrogate = grpo.policy_surrogate
+    monkeypatch.setattr(grpo, "policy_surrogate", lambda logp, old, adv, clip=None: (
+        seen.append(adv.expand_as(logp)) if logp.dim() == 5 else None, surrogate(logp, old, adv, clip))[1])
+    mixed = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    (a, _), (b, _) = loss_and_grads(released, mixed), loss_and_grads(pull, mixed)
+    assert not torch.equal(a, b)
+    steps = len(record.steps)
+    checked = 0
+    for step, got_released, got_pull in zip(record.steps, seen[:steps], seen[steps:]):
+        written = step.written.gather(1, step.unk_idx)[None, None, :, :, None].expand_as(got_pull)
+        assert torch.equal(got_released, mixed[None, None, :, None, None].expand_as(got_released))
+        assert torch.equal(got_pull[written], got_released[written])  # P_i: signed, as released
+        assert torch.equal(got_pull[~written], got_released[~written].clamp(min=0))  # outside: A⁺
+        checked += int((~written).any() and (got_released[~written] < 0).any())
+    assert checked >= 2
