@@ -20,8 +20,6 @@ import masks
 import mte
 from diffloss import transition_logprob, transition_mean
 
-MTE_POSITIONS = ("unknown", "predicted", "pull")  # --mte-positions (GRPOSettings.mte_positions)
-
 
 @dataclass
 class GRPOSettings:
@@ -35,8 +33,7 @@ class GRPOSettings:
     train_head: bool              # does the diffusion head get gradients?
     mte_trajectories: int         # S; 0 = no multi-trajectory expectation
     top_k: float                  # fraction of tokens that get MTE (uncertainty mask)
-    # MTE on uncertain U_i ("unknown", released), P_i only ("predicted"), or on U_i with the
-    # advantage's positive part outside P_i ("pull": docs/method.md §4)
+    # MTE on uncertain U_i ("unknown", released) or P_i only ("predicted")
     mte_positions: str
     consistency_threshold: float | None  # κ of the consistency mask; None = no consistency mask
     # policy term on U_i ("unknown", released) or on P_i only ("predicted")
@@ -55,12 +52,10 @@ class GRPOSettings:
             raise ValueError(f"--top-k {self.top_k}: MTE needs a fraction in (0, 1]")
         if self.inner_epochs < 1:
             raise ValueError(f"--inner-epochs {self.inner_epochs}: must be >= 1")
-        if self.mte_positions not in MTE_POSITIONS:
-            raise ValueError(f"--mte-positions {self.mte_positions!r}: choose from "
-                             f"{', '.join(MTE_POSITIONS)}")
-        if self.policy_positions not in ("unknown", "predicted"):
-            raise ValueError(f"--policy-positions {self.policy_positions!r}: "
-                             "choose 'unknown' or 'predicted'")
+        for name in ("mte_positions", "policy_positions"):
+            if getattr(self, name) not in ("unknown", "predicted"):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: "
+                                 "choose 'unknown' or 'predicted'")
         if self.train_cfg not in ("rollout", "1"):
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:
@@ -269,11 +264,7 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         # (S, K, B, n, C)
         logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)
         logp_s_old = logp_s.detach() if old_logp is None else old_logp["logp_traj"]
-        A_mte = A[None]  # (1, 1, B, 1, 1)
-        if settings.mte_positions == "pull":  # outside P_i the trajectories are a fixed target
-            # (drawn under z_final): A > 0 pulls z_i toward it, A < 0 would push without bound
-            A_mte = torch.where(written[None, None, :, :, None], A_mte, A_mte.clamp(min=0))
-        term_s, _ = policy_surrogate(logp_s, logp_s_old, A_mte, clip)  # (S, K, B, n, C)
+        term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
         old_logp_next["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()

@@ -76,9 +76,8 @@ def paper_flags(p):
     a("--mte-trajectories", type=NONNEG_INT, default=3, help="S head trajectories of MTE (0 = off)")
     a("--top-k", type=FRACTION, default=0.3,
       help="k: the share of tokens with MTE, the most uncertain (M_unc)")
-    a("--mte-positions", default="unknown", choices=list(grpo.MTE_POSITIONS),
-      help="MTE on the uncertain unknown tokens U_i (released), only on P_i (those written), or "
-           "pull: on U_i, outside P_i with the advantage's positive part (docs/method.md §4)")
+    a("--mte-positions", default="unknown", choices=["unknown", "predicted"],
+      help="MTE on the uncertain unknown tokens U_i (released) or only on P_i, those written")
     a("--consistency-threshold", type=optional_threshold, default=0.0,
       help="κ: keep the tokens whose Δsim exceeds it (the consistency mask W), or 'off'")
     a("--policy-positions", default="unknown", choices=["unknown", "predicted"],
