@@ -44,7 +44,7 @@ import rewards
 import rollout
 from infra import checkpoints, flags, fsdp, lora, processes
 from infra.flags import (FRACTION, NONNEG_FLOAT, NONNEG_INT, POS_FLOAT, POS_INT, number,
-                         optional_threshold)
+                         optional_budget, optional_threshold)
 from infra.processes import SEED_STAGES, Ctx, all_finite
 from infra.run_folder import RunFolder
 from models import loading
@@ -92,6 +92,9 @@ def paper_flags(p):
     a("--min-diff-step", type=POS_INT, default=1,
       help="lowest diffusion step trained (the last steps' tiny σ dominates a gradient)")
     a("--lr", type=POS_FLOAT, default=1e-4, help="AdamW learning rate (constant)")
+    a("--lr-budget", type=optional_budget, default=None,
+      help="use at most this / --steps as the learning rate, or off: the released MTE term leaves "
+           "a run a budget of learning rate × steps before it drifts away (docs/method.md §8)")
     a("--weight-decay", type=NONNEG_FLOAT, default=0.0, help="AdamW weight decay")
     a("--max-grad-norm", type=POS_FLOAT, default=1.0, help="gradient clipping")
     # the reward
@@ -310,6 +313,9 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
                + f"; {sum(p.numel() for p in params) / 1e6:.3g}M trained parameters"
                + (f" (LoRA adapters of rank {args.lora})" if args.lora else "")
                + (f", sharded over the {ctx.world} processes" if args.fsdp else "")
+               + f"; lr {args.lr:.3g}"
+               + (f" (--lr {args.lr_as_given:.3g} capped at --lr-budget {args.lr_budget:g} / "
+                  f"{args.steps} steps)" if args.lr < args.lr_as_given else "")
                + f"; {settings}")
 
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start,

@@ -49,8 +49,10 @@ RELEASED = dict(num_iter=64, temperature=1.0, steps=1200, prompts_per_step=8, gr
 PRESETS = {
     # python train.py: MAR-GRPO as released (MTE on the uncertain unknown tokens) from demo/base.pt, a base
     # pretrained on under-captioned images that adds unrequested objects; all prompt categories, the
-    # verifier's score as the reward (docs/demo.md; experiments/lab.py holds the spatial presets)
-    "demo": dict(SHAPES, init=os.path.join(DEMO, "base.pt")),
+    # verifier's score as the reward (docs/demo.md; experiments/lab.py holds the spatial presets);
+    # lr 1e-4 for its 40 steps, at most 0.006 / --steps for longer runs (--lr-budget: at 1200 steps
+    # 5e-6, a run measured to hold; docs/method.md §8)
+    "demo": dict(SHAPES, init=os.path.join(DEMO, "base.pt"), lr_budget=0.006),
     # the whole pipeline at toy size, under a minute on 2 CPU cores, from the shipped toy base demo/smoke.pt
     "smoke": dict(init=os.path.join(DEMO, "smoke.pt"), num_iter=4, num_sampling_steps=8, steps=3, prompts_per_step=2,
                   group_size=2, train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2,
@@ -107,6 +109,11 @@ def optional_threshold(text):
 POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
 POS_FLOAT, NONNEG_FLOAT = number(float, 0, low_open=True), number(float, 0)
 FRACTION = number(float, 0, 1, low_open=True)
+
+
+def optional_budget(text):
+    """--lr-budget: a positive number, or 'off' (None: the learning rate as given)."""
+    return None if text.lower() == "off" else POS_FLOAT(text)
 
 
 def POS_FLOATS(text):  # noqa: N802  (an argparse type, as the others)
@@ -259,6 +266,9 @@ def parse_run_args(p, argv, methods):
     for name, value in methods[args.method].items():
         if name not in on_command_line:  # the variant's, unless its own flag was given
             setattr(args, name, value)
+    args.lr_as_given = args.lr
+    if args.lr_budget is not None:  # learning rate × steps at most the budget (docs/method.md §8)
+        args.lr = min(args.lr, args.lr_budget / args.steps)
     args.out = args.out or os.path.join("runs", preset)
     if args.resume == "no" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         args.resume = "auto"  # torchrun relaunched the job after a failure: continue it

@@ -3,6 +3,8 @@ is a bug. Each test sets one and looks where it must arrive."""
 
 import importlib.util
 
+import pytest
+
 import torch
 
 import evaluate
@@ -69,3 +71,23 @@ def test_wandb_without_the_package_is_a_one_line_error(smoke_base, tmp_path, cap
     code = train.cli(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--wandb", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --wandb") and not out.exists()
+
+
+def test_lr_budget_caps_learning_rate_times_steps_and_reaches_the_optimizer(smoke_base, tmp_path, capsys):
+    """--lr-budget b: the learning rate is min(--lr, b / --steps); the demo preset's 0.006 keeps its
+    40 steps at 1e-4 and gives 1200 steps 5e-6 (the run docs/method.md §8 measured to hold)."""
+    lr = lambda *argv: train.parse_args(list(argv)).lr  # noqa: E731
+    assert lr() == 1e-4 and lr("--steps", "60") == 1e-4  # the demo's 40 steps, and the budget's edge
+    assert lr("--steps", "1200") == 0.006 / 1200 and lr("--steps", "120") == 5e-5
+    assert lr("--steps", "1200", "--lr", "3e-6") == 3e-6  # a smaller --lr is kept
+    assert lr("--steps", "1200", "--lr-budget", "off") == 1e-4
+    assert lr("--preset", "smoke", "--steps", "1200") == 1e-4  # the other presets: no budget
+    for bad in ("0", "-1", "nan", "x"):
+        with pytest.raises(ValueError, match="--lr-budget"):
+            train.parse_args(["--lr-budget", bad])
+    out = tmp_path / "run"
+    assert train.cli(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--steps", "2",
+                      "--lr-budget", "1e-4", "--out", str(out)]) == 0
+    state = torch.load(out / "ckpt" / "latest.pt", weights_only=True)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-5]
+    assert "lr 5e-05 (--lr 0.0001 capped at --lr-budget 0.0001 / 2 steps)" in capsys.readouterr().out
