@@ -42,7 +42,9 @@ from infra.figures import save_grid
 #     python -m experiments.study --study sweep|main|hack|components
 STUDY_PROMPTS = ["a red square", "a green circle and a yellow square", "three red circles",
                  "a blue square left of a green circle"]
-STUDY_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--keep-last", "0", "--save-every", "50"]
+# each arm's --lr as given, whatever its --steps (the demo preset's --lr-budget would lower it)
+STUDY_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--keep-last", "0", "--save-every", "50",
+             "--lr-budget", "off"]
 SWEEP_LRS = ["3e-5", "1e-4", "3e-4"]
 STUDY_LR = "3e-5"  # the sweep's choice: the fixed head's training reward rises at 3e-5, falls at 1e-4 (experiments/study.md)
 HACK_LR = "1e-4"   # the proxy runs: fast enough that the policy moves (KL ~1e-2 after 60 steps in the sweep)
