@@ -369,10 +369,7 @@ def main(argv=None):
     print(f"gpu_check: {name}, torch {torch.__version__}; work folder {opts.work}", flush=True)
     out = lambda row: print("  " + (" | ".join(row) if isinstance(row, tuple) else row), flush=True)  # noqa: E731
     t0, rows = time.time(), []
-    parts = [("smoke", smoke), ("nccl", nccl)]
-    parts += [("parity, memory", released)] if {"parity", "memory"} & set(opts.sections) else []
-    parts += [("throughput", throughput)]
-    for section, run in parts:
+    for section, run in (("smoke", smoke), ("nccl", nccl), ("parity, memory", released), ("throughput", throughput)):
         if set(section.split(", ")) & set(opts.sections):
             rows += guarded(section, run, opts, out)
             write_json(opts.json, name, time.time() - t0, rows)  # what has run survives a later crash or kill

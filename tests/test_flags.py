@@ -4,7 +4,6 @@ is a bug. Each test sets one and looks where it must arrive."""
 import importlib.util
 
 import pytest
-
 import torch
 
 import evaluate
