@@ -313,9 +313,9 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
                + f"; {sum(p.numel() for p in params) / 1e6:.3g}M trained parameters"
                + (f" (LoRA adapters of rank {args.lora})" if args.lora else "")
                + (f", sharded over the {ctx.world} processes" if args.fsdp else "")
-               + f"; lr {args.lr:.3g}"
+               + f"; lr {opt.param_groups[0]['lr']:.3g}"  # a resumed run's own, restored
                + (f" (--lr {args.lr_as_given:.3g} capped at --lr-budget {args.lr_budget:g} / "
-                  f"{args.steps} steps)" if args.lr < args.lr_as_given else "")
+                  f"{args.steps} steps)" if opt.param_groups[0]["lr"] < args.lr_as_given else "")
                + f"; {settings}")
 
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start,
