@@ -383,8 +383,13 @@ def guarded(section, run, opts, out):
     """run(opts, out)'s rows; where it raises (out of memory, a missing package, a bug), its rows so far
     and one FAIL row naming the error (the traceback on stderr), so that the other sections still run."""
     rows = []
+
+    def keep(row):  # what the section has printed, kept for its FAIL case
+        if isinstance(row, tuple):
+            rows.append(row)
+        out(row)
     try:
-        return run(opts, lambda row: (rows.append(row) if isinstance(row, tuple) else None, out(row)))
+        return run(opts, keep)
     except Exception as e:  # noqa: BLE001 - reported as a row, the next section still runs
         traceback.print_exc()
         rows.append((f"{section}: not finished", "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
