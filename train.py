@@ -308,15 +308,20 @@ def grpo_train(args, ctx, settings, base, codec, prompts, reward_fn, stops, fold
     per_shard = args.prompts_per_step // shards  # divides: flags.check_run_inputs
     start = folder.resume(model, opt, args.init)
     lr = opt.param_groups[0]["lr"]  # --lr under --lr-budget; a resumed run's own, restored
+    if lr != args.lr:
+        lr_note = f" (restored from the checkpoint; the flags give {args.lr:.3g})"
+    elif args.lr < args.lr_as_given:
+        lr_note = (f" (--lr {args.lr_as_given:.3g} capped at --lr-budget {args.lr_budget:g} / "
+                   f"{args.steps} steps)")
+    else:
+        lr_note = ""
     ctx.print0(f"GRPO ({args.method}): {args.steps} steps × {args.prompts_per_step} prompts × "
                f"G={G}, world size {ctx.world}"
                + (f" × {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
                + f"; {sum(p.numel() for p in params) / 1e6:.3g}M trained parameters"
                + (f" (LoRA adapters of rank {args.lora})" if args.lora else "")
                + (f", sharded over the {ctx.world} processes" if args.fsdp else "")
-               + f"; lr {lr:.3g}"
-               + (f" (--lr {args.lr_as_given:.3g} capped at --lr-budget {args.lr_budget:g} / "
-                  f"{args.steps} steps)" if lr < args.lr_as_given else "")
+               + f"; lr {lr:.3g}{lr_note}"
                + f"; {settings}")
 
     for step in tqdm(range(start, args.steps), disable=not ctx.master, desc="grpo", initial=start,

@@ -90,3 +90,7 @@ def test_lr_budget_caps_learning_rate_times_steps_and_reaches_the_optimizer(smok
     state = torch.load(out / "ckpt" / "latest.pt", weights_only=True)
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-5]
     assert "lr 5e-05 (--lr 0.0001 capped at --lr-budget 0.0001 / 2 steps)" in capsys.readouterr().out
+    # resumed, the optimizer keeps its restored rate whatever the flags give now, and says so
+    assert train.cli(["--preset", "smoke", "--eval-prompts", "0", "--init", str(smoke_base), "--steps", "3",
+                      "--lr-budget", "off", "--resume", "--out", str(out)]) == 0
+    assert "lr 5e-05 (restored from the checkpoint; the flags give 0.0001);" in capsys.readouterr().out
