@@ -273,8 +273,10 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
             logp_s))
         if settings.mte_clip is not None:
-            term_s = term_s * mte.mte_trust_region(logp_s.detach() - drawn, A[None],
-                                                   settings.mte_clip)
+            inside = mte.mte_trust_region(logp_s.detach() - drawn, A[None], settings.mte_clip)
+            term_s = term_s * inside
+            # the share of the uncertain tokens' trajectory elements outside the region
+            stats["mte_clipped"] = masked_mean(1 - inside.mean(0), unc)
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
         old_logp_next["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()
