@@ -40,8 +40,6 @@ class GRPOSettings:
     policy_positions: str
     # recompute ℓ with the rollout's guidance ("rollout"), or "1" (released)
     train_cfg: str
-    # ε of the MTE trust region outside P_i (`mte_trust_region`); None = released (no bound)
-    mte_clip: float | None = None
 
     def validate(self):
         """Raise ValueError naming the flag for contradictory settings."""
@@ -62,8 +60,6 @@ class GRPOSettings:
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:
             raise ValueError(f"--clip-eps {self.clip_eps}: must be > 0")
-        if self.mte_clip is not None and not 0 < self.mte_clip < 1:
-            raise ValueError(f"--mte-clip {self.mte_clip}: choose ε in (0, 1), or 'off'")
         return self
 
 
@@ -269,14 +265,6 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)
         logp_s_old = logp_s.detach() if old_logp is None else old_logp["logp_traj"]
         term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
-        # the trajectories' ℓ under the z_final they were drawn from, (S, K, B, n, C)
-        drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
-            logp_s))
-        if settings.mte_clip is not None:
-            inside = mte.mte_trust_region(logp_s.detach() - drawn, A[None], settings.mte_clip)
-            term_s = term_s * inside
-            # the share of the uncertain tokens' trajectory elements outside the region
-            stats["mte_clipped"] = masked_mean(1 - inside.mean(0), unc)
         pi_term = mte.mte_policy_term(pi_term, term_s, unc)
         old_logp_next["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()
@@ -285,6 +273,8 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         # mean is the KL (μ(x^k, z_final) − μ(x^k, z_i))² / (2s²) over the trajectories' states,
         # how far this step's transitions sit from those the trajectories came from (docs/method.md
         # §4: what the released MTE term does there, and why a run whose gap grows collapses)
+        drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
+            logp_s))  # (S, K, B, n, C)
         stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~written)
 
     # consistency-aware token selection: W on the unknown positions

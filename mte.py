@@ -75,25 +75,6 @@ def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
     return logp.masked_scatter(sel[..., None].expand_as(logp), logp_u)
 
 
-def mte_trust_region(gap, adv, eps):
-    """Where a trajectory still counts under the MTE trust region (docs/method.md §4, "A trust
-    region for the MTE term"), per element:
-
-        Δ^(s) = ℓ_θ(trajectory s | z_i) − ℓ(trajectory s | z_final, as drawn)
-        keep  = Δ ≥ log(1 − ε) where A < 0,   Δ ≤ log(1 + ε) where A > 0
-
-    PPO's clip with the distribution the trajectories were drawn from as the old policy: an element
-    whose advantage has already moved its likelihood ε past the drawn one stops pushing (A < 0) or
-    pulling (A > 0). On P_i, where z_i = z_final, Δ = 0 and every element counts.
-
-    gap: (S, K, B, n, C) Δ, detached; adv: advantages broadcastable to it (e.g. (1, 1, B, 1, 1));
-    eps: ε in (0, 1). returns a float 0/1 mask of gap's shape, without gradient.
-    """
-    low, high = torch.log1p(torch.tensor(-eps)), torch.log1p(torch.tensor(eps))
-    keep = torch.where(adv < 0, gap >= low, gap <= high)
-    return keep.to(gap.dtype)
-
-
 def mte_policy_term(term_rollout, term_traj, uncertain):
     """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element
     (docs/method.md §4).
@@ -138,6 +119,3 @@ def mte_policy_term(term_rollout, term_traj, uncertain):
 #    advantage their term pushes z_i's transitions away without bound, which is how a long run of
 #    the released objective drifts away (docs/method.md §4, "The MTE term outside P_i";
 #    grpo.ar_step_loss logs the distance as mte_gap).
-#    Not in the paper or the released code: `--mte-clip ε` bounds that push with PPO's clip
-#    against the distribution the trajectories were drawn from (`mte_trust_region`); off by
-#    default, so the default is the released term.

@@ -44,7 +44,7 @@ import rewards
 import rollout
 from infra import checkpoints, flags, fsdp, lora, processes
 from infra.flags import (FRACTION, NONNEG_FLOAT, NONNEG_INT, POS_FLOAT, POS_INT, number,
-                         optional_budget, optional_clip, optional_threshold)
+                         optional_budget, optional_threshold)
 from infra.processes import SEED_STAGES, Ctx, all_finite
 from infra.run_folder import RunFolder
 from models import loading
@@ -78,9 +78,6 @@ def paper_flags(p):
       help="k: the share of tokens with MTE, the most uncertain (M_unc)")
     a("--mte-positions", default="unknown", choices=["unknown", "predicted"],
       help="MTE on the uncertain unknown tokens U_i (released) or only on P_i, those written")
-    a("--mte-clip", type=optional_clip, default=None,
-      help="ε of a trust region on the MTE term (mte.mte_trust_region: a trajectory element stops "
-           "once its advantage moved its ℓ under z_i ε past the drawn one), or off (released)")
     a("--consistency-threshold", type=optional_threshold, default=0.0,
       help="κ: keep the tokens whose Δsim exceeds it (the consistency mask W), or 'off'")
     a("--policy-positions", default="unknown", choices=["unknown", "predicted"],

@@ -111,11 +111,6 @@ POS_FLOAT, NONNEG_FLOAT = number(float, 0, low_open=True), number(float, 0)
 FRACTION = number(float, 0, 1, low_open=True)
 
 
-def optional_clip(text):
-    """--mte-clip: ε in (0, 1), or 'off' (None: the released MTE term)."""
-    return None if text.lower() == "off" else number(float, 0, 1, True, True)(text)
-
-
 def optional_budget(text):
     """--lr-budget: a positive number, or 'off' (None: the learning rate as given)."""
     return None if text.lower() == "off" else POS_FLOAT(text)

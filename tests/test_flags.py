@@ -63,12 +63,6 @@ def test_consistency_threshold_reaches_the_settings():
     assert train.grpo_settings(train.parse_args(["--method", "grpo"])).consistency_threshold is None
 
 
-def test_mte_clip_reaches_the_settings():
-    assert train.grpo_settings(train.parse_args([])).mte_clip is None  # the released term
-    assert train.grpo_settings(train.parse_args(["--mte-clip", "0.2"])).mte_clip == 0.2
-    assert train.grpo_settings(train.parse_args(["--mte-clip", "off"])).mte_clip is None
-
-
 def test_wandb_without_the_package_is_a_one_line_error(smoke_base, tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
