@@ -53,6 +53,12 @@ PRESETS = {
     # lr 1e-4 for its 40 steps, at most 0.006 / --steps for longer runs (--lr-budget: at 1200 steps
     # 5e-6, a run measured to hold; docs/method.md §8)
     "demo": dict(SHAPES, init=os.path.join(DEMO, "base.pt"), lr_budget=0.006),
+    # python train.py --preset long: the demo's world and base over the released length, 1200 steps, with the
+    # one recipe measured there to hold and to gain at the best τ: lr 1e-5 with MTE off (the frozen head and the
+    # consistency mask; the MTE term outside P_i collapses the demo at this length, docs/method.md §4), and a
+    # checkpoint every 100 steps kept for `python -m experiments.curve`
+    "long": dict(SHAPES, init=os.path.join(DEMO, "base.pt"), steps=1200, lr=1e-5, mte_trajectories=0,
+                 save_every=100, keep_last=0),
     # the whole pipeline at toy size, under a minute on 2 CPU cores, from the shipped toy base demo/smoke.pt
     "smoke": dict(init=os.path.join(DEMO, "smoke.pt"), num_iter=4, num_sampling_steps=8, steps=3, prompts_per_step=2,
                   group_size=2, train_ar_steps=2, train_diff_steps=3, eval_prompts=4, sample_every=2, save_every=2,

@@ -63,6 +63,18 @@ def test_consistency_threshold_reaches_the_settings():
     assert train.grpo_settings(train.parse_args(["--method", "grpo"])).consistency_threshold is None
 
 
+def test_the_long_preset_is_the_recipe_measured_over_1200_steps():
+    """--preset long: the demo's base, MAR-GRPO without MTE at lr 1e-5 (no budget caps it), every
+    100th checkpoint kept; the flags given still win."""
+    args = train.parse_args(["--preset", "long"])
+    settings = train.grpo_settings(args)
+    assert args.init == train.parse_args([]).init  # the demo's base
+    assert (args.steps, args.lr, args.lr_budget, args.save_every, args.keep_last) == (1200, 1e-5, None, 100, 0)
+    assert settings.mte_trajectories == 0 and settings.consistency_threshold == 0.0
+    assert not settings.train_head and settings.beta == 0.01
+    assert train.parse_args(["--preset", "long", "--steps", "300"]).steps == 300
+
+
 def test_wandb_without_the_package_is_a_one_line_error(smoke_base, tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
