@@ -40,6 +40,9 @@ class GRPOSettings:
     policy_positions: str
     # recompute ℓ with the rollout's guidance ("rollout"), or "1" (released)
     train_cfg: str
+    # δ: MTE outside P_i only on tokens whose trajectories lie within δ nats per element of z_i's
+    # transitions (mte.trajectory_gap); None = everywhere (released)
+    mte_max_gap: float | None = None
 
     def validate(self):
         """Raise ValueError naming the flag for contradictory settings."""
@@ -60,6 +63,8 @@ class GRPOSettings:
             raise ValueError(f"--train-cfg {self.train_cfg!r}: choose 'rollout' or '1'")
         if self.clip_eps <= 0:
             raise ValueError(f"--clip-eps {self.clip_eps}: must be > 0")
+        if self.mte_max_gap is not None and not self.mte_max_gap > 0:
+            raise ValueError(f"--mte-max-gap {self.mte_max_gap}: must be > 0 (or off)")
         return self
 
 
@@ -265,7 +270,6 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         logp_s = mte.trajectory_logprobs(model.diffloss, trajectories, step, z, z_null, w, unc)
         logp_s_old = logp_s.detach() if old_logp is None else old_logp["logp_traj"]
         term_s, _ = policy_surrogate(logp_s, logp_s_old, A[None], clip)  # (S, K, B, n, C)
-        pi_term = mte.mte_policy_term(pi_term, term_s, unc)
         old_logp_next["logp_traj"] = logp_s_old
         stats["uncertain_frac"] = unc.float().mean()
         # the MTE gap: on the uncertain tokens outside P_i, the trajectories' ℓ under the z_final
@@ -275,7 +279,13 @@ def ar_step_loss(model, ref_model, record, j, inputs, adv, settings, trajectorie
         # §4: what the released MTE term does there, and why a run whose gap grows collapses)
         drawn = trajectories["logp"].gather(3, step.unk_idx[None, None, :, :, None].expand_as(
             logp_s))  # (S, K, B, n, C)
-        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), unc & ~written)
+        outside = unc & ~written  # (B, n) the uncertain tokens outside P_i
+        stats["mte_gap"] = masked_mean((drawn - logp_s.detach()).mean(0), outside)
+        if settings.mte_max_gap is not None:  # a token past δ keeps its rollout trajectory's term
+            far = outside & (mte.trajectory_gap(drawn, logp_s) > settings.mte_max_gap)  # (B, n)
+            stats["mte_far_frac"] = far.sum() / outside.sum().clamp(min=1)
+            unc = unc & ~far
+        pi_term = mte.mte_policy_term(pi_term, term_s, unc)
 
     # consistency-aware token selection: W on the unknown positions
     keep = masks.consistency_mask(step.preview, step.preview_prev, record.tokens, step.unknown,

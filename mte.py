@@ -75,6 +75,19 @@ def trajectory_logprobs(head, trajectories, step, z, z_null, w, uncertain):
     return logp.masked_scatter(sel[..., None].expand_as(logp), logp_u)
 
 
+def trajectory_gap(logp_drawn, logp_traj):
+    """How far each token's trajectories lie from the trained step's transitions: the mean over
+    trajectories, recorded steps and channels of ℓ under the z_final they were drawn from minus ℓ
+    under z_i, a Monte Carlo estimate of the KL (μ(x^k, z_final) − μ(x^k, z_i))² / (2s²) per
+    element (docs/method.md §4, "A gate on the gap").
+
+    logp_drawn: (S, K, B, n, C) ℓ under z_final (`sample_trajectories`' logp on U_i);
+    logp_traj: (S, K, B, n, C) ℓ under z_i (`trajectory_logprobs`).
+    returns (B, n), detached
+    """
+    return (logp_drawn - logp_traj.detach()).mean(dim=(0, 1, 4))
+
+
 def mte_policy_term(term_rollout, term_traj, uncertain):
     """π-term = (1 − M_unc) · term⁽⁰⁾ + M_unc · (1/S) Σ_s term⁽ˢ⁾, per element
     (docs/method.md §4).
@@ -119,3 +132,8 @@ def mte_policy_term(term_rollout, term_traj, uncertain):
 #    advantage their term pushes z_i's transitions away without bound, which is how a long run of
 #    the released objective drifts away (docs/method.md §4, "The MTE term outside P_i";
 #    grpo.ar_step_loss logs the distance as mte_gap).
+# 7. Not in the paper or the released code: `--mte-max-gap δ` (off by default) keeps the term
+#    outside P_i only on tokens whose trajectories lie within δ of z_i's transitions
+#    (`trajectory_gap`), whatever the advantage's sign; a token past δ keeps its rollout
+#    trajectory's term, so the push of note 6 stops near a gap of δ and the pull inside it is
+#    unchanged (grpo.ar_step_loss logs the share it drops as mte_far_frac; docs/method.md §4).

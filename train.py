@@ -44,7 +44,7 @@ import rewards
 import rollout
 from infra import checkpoints, flags, fsdp, lora, processes
 from infra.flags import (FRACTION, NONNEG_FLOAT, NONNEG_INT, POS_FLOAT, POS_INT, number,
-                         optional_budget, optional_threshold)
+                         optional_positive, optional_threshold)
 from infra.processes import SEED_STAGES, Ctx, all_finite
 from infra.run_folder import RunFolder
 from models import loading
@@ -78,6 +78,9 @@ def paper_flags(p):
       help="k: the share of tokens with MTE, the most uncertain (M_unc)")
     a("--mte-positions", default="unknown", choices=["unknown", "predicted"],
       help="MTE on the uncertain unknown tokens U_i (released) or only on P_i, those written")
+    a("--mte-max-gap", type=optional_positive, default=None,
+      help="δ: MTE outside P_i only where a token's trajectories lie within δ nats per element of "
+           "z_i's transitions (docs/method.md §4, a gate on the gap), or off (released)")
     a("--consistency-threshold", type=optional_threshold, default=0.0,
       help="κ: keep the tokens whose Δsim exceeds it (the consistency mask W), or 'off'")
     a("--policy-positions", default="unknown", choices=["unknown", "predicted"],
@@ -92,7 +95,7 @@ def paper_flags(p):
     a("--min-diff-step", type=POS_INT, default=1,
       help="lowest diffusion step trained (the last steps' tiny σ dominates a gradient)")
     a("--lr", type=POS_FLOAT, default=1e-4, help="AdamW learning rate (constant)")
-    a("--lr-budget", type=optional_budget, default=None,
+    a("--lr-budget", type=optional_positive, default=None,
       help="use at most this / --steps as the learning rate, or off: the released MTE term leaves "
            "a run a budget of learning rate × steps before it drifts away (docs/method.md §8)")
     a("--weight-decay", type=NONNEG_FLOAT, default=0.0, help="AdamW weight decay")

@@ -117,8 +117,8 @@ POS_FLOAT, NONNEG_FLOAT = number(float, 0, low_open=True), number(float, 0)
 FRACTION = number(float, 0, 1, low_open=True)
 
 
-def optional_budget(text):
-    """--lr-budget: a positive number, or 'off' (None: the learning rate as given)."""
+def optional_positive(text):
+    """A positive number, or 'off' (None)."""
     return None if text.lower() == "off" else POS_FLOAT(text)
 
 
