@@ -125,7 +125,8 @@ def test_trajectory_gap_is_the_mean_log_ratio_per_token():
 def test_mte_max_gap_keeps_mte_outside_p_i_only_within_delta():
     """--mte-max-gap δ = the released MTE with M_unc ∧ (P_i ∨ gap ≤ δ): an uncertain token outside
     P_i whose trajectories lie more than δ from z_i's transitions (mte.trajectory_gap, computed
-    here from the trajectories' ℓ) keeps its rollout trajectory's term; on P_i nothing changes."""
+    in this test from the trajectories' ℓ) keeps its rollout trajectory's term; on P_i nothing
+    changes."""
     model = tiny_mar()
     model.diffloss.requires_grad_(False)
     record, cond = make_rollout(model)
