@@ -19,7 +19,8 @@ import grpo
 import masks
 import mte
 from diffloss import DiffLoss, transition_logprob
-from tests.helpers import ROOT, loss_and_grads, make_rollout, settings, tiny_mar
+from tests.helpers import (ROOT, loss_and_grads, make_rollout, settings, step_grad_with_uncertain,
+                           tiny_mar)
 
 torch.set_num_threads(1)  # tiny ops: threads only add contention on a 2-core machine
 
@@ -335,21 +336,11 @@ def test_mte_on_predicted_positions_equals_mte_with_the_mask_restricted_to_p_i()
     uncertain = masks.top_k_mask(masks.token_uncertainty(traj["x0"]), 0.5)
     released = settings("mar-grpo", top_k=0.5)
     predicted = settings("mar-grpo", top_k=0.5, mte_positions="predicted")
-    built = masks.uncertainty_mask
 
-    # the loss's gradient at AR step j with M_unc = unc, flattened over the trained parameters
-    def grad(j, cfg, unc):
-        model.zero_grad()
-        masks.uncertainty_mask = lambda x0, frac: unc  # noqa: E731  (the loss's M_unc, replaced)
-        try:
-            loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)
-        finally:
-            masks.uncertainty_mask = built
-        loss.backward()
-        return (torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]),
-                stats)
+    def grad(j, cfg, unc):  # the loss's gradient at AR step j with M_unc = unc
+        return step_grad_with_uncertain(model, record, j, cond, adv, cfg, traj, unc)
 
-    assert torch.equal(built(traj["x0"], 0.5), uncertain)
+    assert torch.equal(masks.uncertainty_mask(traj["x0"], 0.5), uncertain)
     differ = 0
     for j, step in enumerate(record.steps):
         restricted = uncertain & step.written  # (B, L)

@@ -12,6 +12,7 @@ import torch
 
 import grpo
 import mar
+import masks
 import rollout
 import train
 from diffloss import DiffLoss
@@ -55,6 +56,20 @@ def loss_and_grads(model, record, cond, adv, cfg, trajectories=None):
         (loss / len(record.steps)).backward()
         total += loss.item() / len(record.steps)
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def step_grad_with_uncertain(model, record, j, cond, adv, cfg, trajectories, uncertain):
+    """The loss of AR step j with its M_unc replaced by `uncertain` (B, L): the gradient it leaves,
+    flattened over the trained parameters, and the step's stats."""
+    model.zero_grad()
+    built = masks.uncertainty_mask
+    masks.uncertainty_mask = lambda x0, frac: uncertain  # noqa: E731  (the loss's M_unc, replaced)
+    try:
+        loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, trajectories)
+    finally:
+        masks.uncertainty_mask = built
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
 
 
 def make_rollout(model, cfg=2.5, temperature=0.9, ar_steps=(0, 2, 3), diff_steps=(8, 5, 2), seed=0, bsz=4):

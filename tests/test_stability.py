@@ -13,7 +13,7 @@ import masks
 import mte
 import train
 from diffloss import transition_logprob, transition_mean
-from tests.helpers import make_rollout, settings, tiny_mar
+from tests.helpers import make_rollout, settings, step_grad_with_uncertain, tiny_mar
 
 
 def ascend(adv, beta, draws_from, steps=200, lr=0.05, S=256, target=1.0, max_gap=None):
@@ -135,18 +135,9 @@ def test_mte_max_gap_keeps_mte_outside_p_i_only_within_delta():
                                    record.cfg_final, 0.9, 3, record.steps[0].diff_steps,
                                    torch.Generator().manual_seed(1))
     uncertain = masks.uncertainty_mask(traj["x0"], 0.5)  # (B, L) M_unc, as the loss builds it
-    built = masks.uncertainty_mask
 
     def grad(j, cfg, unc):  # the loss's gradient at AR step j with M_unc = unc
-        model.zero_grad()
-        masks.uncertainty_mask = lambda x0, frac: unc  # noqa: E731  (the loss's M_unc, replaced)
-        try:
-            loss, stats, _ = grpo.ar_step_loss(model, model, record, j, cond, adv, cfg, traj)
-        finally:
-            masks.uncertainty_mask = built
-        loss.backward()
-        return (torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]),
-                stats)
+        return step_grad_with_uncertain(model, record, j, cond, adv, cfg, traj, unc)
 
     split = 0
     for j, step in enumerate(record.steps):
